@@ -8,3 +8,6 @@ does) and returns the model to train. Afterwards exactly the parameters the meth
 from adazeta.registry import Registry
 
 ADAPTERS: Registry = Registry("adapter")
+
+# Importing the built-in adapters registers them.
+from adazeta.adapters import basic, lora, tt  # noqa: E402,F401

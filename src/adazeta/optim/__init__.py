@@ -8,3 +8,6 @@ class attribute ``zeroth_order = True`` and take a closure that returns the loss
 from adazeta.registry import Registry
 
 OPTIMIZERS: Registry = Registry("optimizer")
+
+# Importing the built-in optimizers registers them.
+from adazeta.optim import first_order, zo_sgd  # noqa: E402,F401

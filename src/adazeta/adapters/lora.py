@@ -1,0 +1,43 @@
+"""LoRA through the ``peft`` library (MeZO-LoRA with ZO-SGD, LoRA with AdamW)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from adazeta.adapters import ADAPTERS
+from adazeta.errors import ConfigError
+
+
+@dataclass
+class LoraAdapterConfig:
+    r: int = 8  # rank (SPEC §5: 8 for first-order LoRA; MeZO-LoRA's reference code uses 5)
+    alpha: float = 16.0  # scaling numerator: the update is (alpha / r) * B A
+    dropout: float = 0.0  # LoRA dropout; ZO forwards run in eval mode, so it only acts in first-order runs
+    target_modules: list[str] | None = None  # None: peft's default for the architecture (q and v projections)
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ConfigError(f"adapter.r={self.r} must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"adapter.dropout={self.dropout} must be in [0, 1)")
+
+
+@ADAPTERS.register("lora", LoraAdapterConfig)
+def add_lora(model: nn.Module, cfg: LoraAdapterConfig) -> nn.Module:
+    """Wrap the model with peft LoRA; only the LoRA A and B matrices train."""
+    from peft import LoraConfig, get_peft_model
+
+    model.requires_grad_(False)
+    config = LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules) if cfg.target_modules else None,
+        bias="none",
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:  # peft: no default target modules for this architecture, or none matched
+        raise ConfigError(f"LoRA could not be placed ({e}); set adapter.target_modules, e.g. [q_proj,v_proj]") from None

@@ -1,0 +1,316 @@
+"""Tensor-train (TT) adapters, AdaZeta's trainable part (SPEC §2), and their injection into a backbone.
+
+An adapter is ``h -> h + up(act(down(h)))`` with bottleneck b, where ``down`` (H -> b) and ``up`` (b -> H) are
+TT matrices (``adazeta.tensor.tt``). It is placed on the input (``base(x + A(x))``) or on the output
+(``y + A(y)``) of chosen linear layers; ``PLACEMENTS`` says where, per architecture. Everything else is frozen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from transformers.pytorch_utils import Conv1D
+
+from adazeta.adapters import ADAPTERS
+from adazeta.errors import ConfigError
+from adazeta.tensor.tt import default_shape, init_cores, split_index, tt_matmul
+
+POSITIONS = ("input", "output")
+
+ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+    "silu": nn.SiLU,
+    "tanh": nn.Tanh,
+    "identity": nn.Identity,
+}
+
+# model_type -> placement name -> [(regex searched in the full dotted module name, position)].
+# Patterns start at a name boundary and end with `$` so that e.g. RoBERTa's FFN `layer.N.output.dense` does not
+# also match `layer.N.attention.output.dense`, nor GPT-2's `attn.c_proj` a cross-attention's `crossattention.c_proj`.
+_LLAMA = {
+    # Reference code: three adapters per decoder layer, all in the MLP (96 on Llama-2-7B).
+    "official": [
+        (r"(^|\.)mlp\.gate_proj$", "input"),
+        (r"(^|\.)mlp\.up_proj$", "input"),
+        (r"(^|\.)mlp\.down_proj$", "output"),
+    ],
+    # Paper's wording: "after the attention and the feed-forward sub-layers".
+    "paper": [
+        (r"(^|\.)self_attn\.o_proj$", "output"),
+        (r"(^|\.)mlp\.down_proj$", "output"),
+    ],
+}
+_ROBERTA_SITES = [
+    # After the attention-output dense and the FFN-output dense, before the residual add and LayerNorm.
+    (r"(^|\.)layer\.\d+\.attention\.output\.dense$", "output"),
+    (r"(^|\.)layer\.\d+\.output\.dense$", "output"),
+]
+_ROBERTA = {"official": _ROBERTA_SITES, "paper": _ROBERTA_SITES}
+_OPT = {
+    "official": [(r"(^|\.)fc1$", "input"), (r"(^|\.)fc2$", "output")],
+    "paper": [(r"(^|\.)self_attn\.out_proj$", "output"), (r"(^|\.)fc2$", "output")],
+}
+_GPT2_SITES = [(r"(^|\.)attn\.c_proj$", "output"), (r"(^|\.)mlp\.c_proj$", "output")]
+_GPT2 = {"official": _GPT2_SITES, "paper": _GPT2_SITES}
+
+PLACEMENTS: dict[str, dict[str, list[tuple[str, str]]]] = {
+    **{name: _LLAMA for name in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")},
+    **{name: _ROBERTA for name in ("roberta", "bert", "xlm-roberta")},
+    "opt": _OPT,
+    "gpt2": _GPT2,
+}
+PLACEMENT_NAMES = sorted({name for table in PLACEMENTS.values() for name in table})
+
+
+@dataclasses.dataclass
+class TTAdapterConfig:
+    """Config of the TT adapter (SPEC §2); validated on construction."""
+
+    bottleneck: int = 64  # b: width of the adapter's hidden layer
+    rank: int = 5  # inner TT rank r of both projections; parameters grow as r^2
+    placement: str = "official"  # "official" (reference code) or "paper"; ignored when `targets` is set
+    shape_down: list[int] | None = None  # TT modes of the (H, b) down matrix; None derives balanced ones
+    shape_up: list[int] | None = None  # TT modes of the (b, H) up matrix; None derives balanced ones
+    activation: str = "relu"
+    num_factors: int = 3  # modes per side when shapes are derived (H -> num_factors modes, b -> num_factors)
+    # Manual placement, replacing the table: [{"pattern": regex searched in module names, "position": "input"
+    # or "output"}]. Needed for architectures PLACEMENTS does not know.
+    targets: list[dict] | None = None
+
+    def __post_init__(self) -> None:
+        if self.bottleneck < 1:
+            raise ConfigError(f"adapter.bottleneck={self.bottleneck} must be >= 1")
+        if self.rank < 1:
+            raise ConfigError(f"adapter.rank={self.rank} must be >= 1")
+        if self.num_factors < 1:
+            raise ConfigError(f"adapter.num_factors={self.num_factors} must be >= 1")
+        if self.placement not in PLACEMENT_NAMES:
+            raise ConfigError(f"adapter.placement={self.placement!r} is unknown; known: {', '.join(PLACEMENT_NAMES)}")
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"adapter.activation={self.activation!r} is unknown; known: {', '.join(ACTIVATIONS)}")
+        if self.shape_down is not None:
+            self._check_shape("shape_down", list(self.shape_down), bottleneck_is_input=False)
+        if self.shape_up is not None:
+            self._check_shape("shape_up", list(self.shape_up), bottleneck_is_input=True)
+        if self.targets is not None:
+            for i, target in enumerate(self.targets):
+                self._check_target(i, target)
+
+    def _check_shape(self, field: str, shape: list[int], bottleneck_is_input: bool) -> None:
+        if len(shape) < 2 or any(not isinstance(k, int) or k < 1 for k in shape):
+            raise ConfigError(f"adapter.{field}={shape} must be a list of at least two positive integers")
+        total = math.prod(shape)
+        if total % self.bottleneck:
+            raise ConfigError(
+                f"adapter.{field}={shape} has product {total}, not a multiple of bottleneck={self.bottleneck}"
+            )
+        # down: (H, b), so a prefix must multiply to H; up: (b, H), so a prefix must multiply to b.
+        in_features = self.bottleneck if bottleneck_is_input else total // self.bottleneck
+        try:
+            split_index(shape, in_features)
+        except ValueError:
+            side = "first" if bottleneck_is_input else "last"
+            raise ConfigError(
+                f"adapter.{field}={shape} cannot be split: its {side} modes must multiply to "
+                f"bottleneck={self.bottleneck}"
+            ) from None
+
+    def _check_target(self, i: int, target: dict) -> None:
+        if set(target) != {"pattern", "position"}:
+            raise ConfigError(f"adapter.targets[{i}]={target} must have exactly the keys 'pattern' and 'position'")
+        if target["position"] not in POSITIONS:
+            raise ConfigError(
+                f"adapter.targets[{i}].position={target['position']!r} is unknown; known: {', '.join(POSITIONS)}"
+            )
+        try:
+            re.compile(target["pattern"])
+        except re.error as err:
+            raise ConfigError(f"adapter.targets[{i}].pattern={target['pattern']!r} is not a regex: {err}") from None
+
+    def check_hidden(self, hidden_size: int) -> None:
+        """Fail before loading a model when explicit shapes do not fit ``hidden_size * bottleneck``."""
+        for field in ("shape_down", "shape_up"):
+            self.check_features(field, hidden_size, what="hidden_size")
+
+    def check_features(self, field: str, features: int, what: str = "features") -> None:
+        """Raise ConfigError when ``getattr(self, field)`` is set and its product is not ``features * b``."""
+        shape = getattr(self, field)
+        if shape is None:
+            return
+        expected = features * self.bottleneck
+        if math.prod(shape) != expected:
+            raise ConfigError(
+                f"adapter.{field}={list(shape)} has product {math.prod(shape)} but {what}*bottleneck = "
+                f"{features}*{self.bottleneck} = {expected}; fix the shape or remove it to derive one"
+            )
+
+    def shapes(self, features: int) -> tuple[list[int], list[int]]:
+        """TT modes (down, up) for an adapter of width ``features``: the explicit ones or balanced ones."""
+        self.check_features("shape_down", features)
+        self.check_features("shape_up", features)
+        down = list(self.shape_down) if self.shape_down else default_shape(features, self.bottleneck, self.num_factors)
+        up = list(self.shape_up) if self.shape_up else default_shape(self.bottleneck, features, self.num_factors)
+        return down, up
+
+
+def _uniform(size: int, bound: float, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """``U(-bound, bound)`` drawn on the generator's device (uninitialized on meta)."""
+    if device.type == "meta":
+        return torch.empty(size, device=device)
+    draw_device = generator.device if generator is not None else device
+    values = torch.rand(size, generator=generator, device=draw_device) * (2 * bound) - bound
+    return values.to(device)
+
+
+class TTLinear(nn.Module):
+    """``y = x @ W + bias`` with W (in, out) kept as a tensor train of modes ``shape``; fp32 parameters."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        shape: Sequence[int],
+        rank: int,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if math.prod(shape) != in_features * out_features:
+            raise ValueError(
+                f"TT shape {list(shape)} has product {math.prod(shape)}, expected {in_features}*{out_features}"
+            )
+        device = torch.device(device) if device is not None else torch.empty(0).device
+        self.in_features, self.out_features = in_features, out_features
+        self.shape, self.rank = list(shape), rank
+        self.split = split_index(shape, in_features)
+        cores = init_cores(shape, rank, in_features, out_features, generator=generator, device=device)
+        self.cores = nn.ParameterList(nn.Parameter(core) for core in cores)
+        # Reference init: U(+-1/sqrt(out)), so the adapter is not the identity at step 0.
+        self.bias = nn.Parameter(_uniform(out_features, 1 / math.sqrt(out_features), generator, device))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return tt_matmul(x, list(self.cores), self.split) + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, shape={self.shape}, rank={self.rank}"
+
+
+class TTAdapter(nn.Module):
+    """``h -> h + up(act(down(h)))`` (SPEC §2), computed in float32 whatever the dtype of h."""
+
+    def __init__(
+        self,
+        features: int,
+        bottleneck: int,
+        shape_down: Sequence[int],
+        shape_up: Sequence[int],
+        rank: int,
+        activation: str = "relu",
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.down = TTLinear(features, bottleneck, shape_down, rank, generator=generator, device=device)
+        self.act = ACTIVATIONS[activation]()
+        self.up = TTLinear(bottleneck, features, shape_up, rank, generator=generator, device=device)
+
+    def forward(self, h: Tensor) -> Tensor:
+        x = h.float()
+        # Add in fp32 and round once: a bf16 residual would round the (small) adapter update twice.
+        return (x + self.up(self.act(self.down(x)))).to(h.dtype)
+
+
+def linear_features(module: nn.Module) -> tuple[int, int] | None:
+    """(in, out) of a linear-like module (nn.Linear or GPT-2's Conv1D, whose weight is (in, out)); else None."""
+    if isinstance(module, Conv1D):
+        return module.weight.shape[0], module.weight.shape[1]
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return None
+
+
+class AdaptedLinear(nn.Module):
+    """A frozen linear layer with a TT adapter on its input, ``base(A(x))``, or output, ``A(base(x))``."""
+
+    def __init__(self, base: nn.Module, adapter: TTAdapter, position: str):
+        super().__init__()
+        if position not in POSITIONS:
+            raise ValueError(f"position={position!r}; known: {', '.join(POSITIONS)}")
+        self.base, self.adapter, self.position = base, adapter, position
+        self.in_features, self.out_features = linear_features(base)
+
+    # Some model code reads `layer.weight` (e.g. its dtype) from the modules it owns.
+    @property
+    def weight(self) -> Tensor:
+        return self.base.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.position == "input":
+            return self.base(self.adapter(x))
+        return self.adapter(self.base(x))
+
+    def extra_repr(self) -> str:
+        return f"position={self.position}"
+
+
+def resolve_targets(model: nn.Module, cfg: TTAdapterConfig) -> list[tuple[str, str]]:
+    """The (pattern, position) list for ``model``: ``cfg.targets`` or the PLACEMENTS entry of its model_type."""
+    if cfg.targets is not None:
+        return [(t["pattern"], t["position"]) for t in cfg.targets]
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in PLACEMENTS:
+        raise ConfigError(
+            f"no TT adapter placement for model_type={model_type!r} (known: {', '.join(sorted(PLACEMENTS))}); "
+            f"set adapter.targets, e.g. [{{pattern: 'mlp\\.down_proj$', position: output}}]"
+        )
+    return PLACEMENTS[model_type][cfg.placement]
+
+
+def count_adapters(model: nn.Module) -> int:
+    """Number of TT adapters in ``model``."""
+    return sum(isinstance(m, TTAdapter) for m in model.modules())
+
+
+@ADAPTERS.register("tt", TTAdapterConfig)
+def add_tt_adapters(model: nn.Module, cfg: TTAdapterConfig, generator: torch.Generator | None = None) -> nn.Module:
+    """Freeze ``model`` and wrap each targeted linear layer in an AdaptedLinear; only adapters train.
+
+    Adapters are float32 and live on their layer's device (meta included: nothing is drawn there).
+    ``generator`` (optional) makes their initialization independent of the global RNG.
+    """
+    targets = resolve_targets(model, cfg)
+    model.requires_grad_(False)
+    chosen: dict[str, str] = {}
+    hits = {pattern: 0 for pattern, _ in targets}
+    for name, module in model.named_modules():
+        if linear_features(module) is None:
+            continue
+        for pattern, position in targets:
+            if re.search(pattern, name):
+                if name in chosen:
+                    raise ConfigError(f"adapter: module {name!r} is matched by more than one target pattern")
+                chosen[name] = position
+                hits[pattern] += 1
+    missing = [pattern for pattern, n in hits.items() if n == 0]
+    if missing:
+        raise ConfigError(
+            f"adapter: pattern(s) {', '.join(map(repr, missing))} match no linear layer of this model; "
+            f"check adapter.targets or adapter.placement"
+        )
+    for name, position in chosen.items():
+        base = model.get_submodule(name)
+        fan_in, fan_out = linear_features(base)
+        features = fan_in if position == "input" else fan_out
+        down, up = cfg.shapes(features)
+        adapter = TTAdapter(
+            features, cfg.bottleneck, down, up, cfg.rank, cfg.activation, generator=generator, device=base.weight.device
+        )
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, AdaptedLinear(base, adapter, position))
+    return model

@@ -1,0 +1,48 @@
+"""``adazeta-run``: the Hydra entry point, and nothing else.
+
+    adazeta-run method=adazeta task=rte            # one run
+    adazeta-run -m method=adazeta,mezo seed=0,1    # a sweep (Hydra multirun)
+    adazeta-run --help                             # every config group and its options
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from adazeta.errors import ConfigError
+
+CONFIG_ENV = "ADAZETA_CONFIG_DIR"
+
+
+def config_dir() -> str:
+    """The ``conf/`` tree: $ADAZETA_CONFIG_DIR, else the one beside ``src/`` in this checkout."""
+    if os.environ.get(CONFIG_ENV):
+        return str(Path(os.environ[CONFIG_ENV]).resolve())
+    return str(Path(__file__).resolve().parents[2] / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
+def _main(cfg: DictConfig) -> float | None:
+    from adazeta.run import run
+
+    try:
+        record = run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except ConfigError as err:
+        # A user's mistake: one line with the fix, no traceback.
+        print(f"adazeta-run: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    return record.get("dev_accuracy")  # what a Hydra sweeper would optimise
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Load a causal or masked language model: a Hub id, a local folder, a GGUF file, or a tiny random config.
+
+Where the weights come from is decided by :func:`resolve_source` before anything heavy happens, so that a
+missing local file is reported in one line before a model loads. Offline runs never contact the Hub: when a
+local model directory is set, ``HF_HUB_OFFLINE`` is switched on for the process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from adazeta.errors import ConfigError
+
+FAMILIES = ("causal", "masked")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MODEL_DIR_ENV = "ADAZETA_MODEL_DIR"
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load and how. See ``conf/model/*.yaml``."""
+
+    name: str
+    family: str = "causal"  # causal (decoder, MeZO protocol) or masked (RoBERTa-style, LM-BFF protocol)
+    hub_id: str | None = None  # Hugging Face Hub id, used when no local copy is configured
+    local_name: str | None = None  # folder under the model directory holding the local copy
+    gguf_file: str | None = None  # a GGUF file inside that folder (transformers dequantizes it)
+    random_init: bool = False  # build from `architecture` with random weights (tests, dry runs)
+    architecture: dict[str, Any] | None = None  # model_type + config fields; dry runs build it on `meta`
+    dtype: str = "fp32"  # fp32 or bf16 for the backbone; adapters always stay fp32
+    device: str = "auto"  # auto picks CUDA when present, else CPU
+    max_length: int = 512  # prompt + candidate tokens; longer prompts are cut from the left
+    model_dir: str | None = None  # local model directory; defaults to $ADAZETA_MODEL_DIR
+    revision: str | None = None  # Hub revision, for reproducible downloads
+    tt_shapes: dict[str, list[int]] | None = None  # reference TT modes {down, up} for this hidden size (SPEC §2)
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError(f"model.family={self.family!r} is not one of {', '.join(FAMILIES)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.max_length < 8:
+            raise ConfigError(f"model.max_length={self.max_length} must be >= 8")
+        if self.random_init and not self.architecture:
+            raise ConfigError(f"model {self.name!r} has random_init=true but no `architecture` to build from")
+        if not self.random_init and not (self.hub_id or self.local_name):
+            raise ConfigError(f"model {self.name!r} needs `hub_id` or `local_name` (or random_init=true)")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"model.device={self.device!r} must be auto, cpu, cuda or cuda:N")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def hidden_size(self) -> int | None:
+        return (self.architecture or {}).get("hidden_size")
+
+
+@dataclass
+class ModelSource:
+    kind: str  # random, local, hub
+    path: str | None = None  # folder (local) or hub id (hub)
+    gguf_file: str | None = None
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any
+    family: str
+    source: ModelSource
+    device: torch.device
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"model.device={name!r} but no CUDA device is visible; use model.device=auto or cpu")
+    return torch.device(name)
+
+
+def resolve_source(cfg: ModelConfig) -> ModelSource:
+    """Decide where the weights come from, checking local files exist. Cheap: loads nothing."""
+    if cfg.random_init:
+        return ModelSource("random")
+    model_dir = cfg.model_dir or os.environ.get(MODEL_DIR_ENV)
+    if model_dir:
+        if not cfg.local_name:
+            raise ConfigError(
+                f"model {cfg.name!r} has no `local_name`, so it cannot be read from the local model directory "
+                f"{model_dir}; unset {MODEL_DIR_ENV} (and model.model_dir) to download {cfg.hub_id} from the Hub"
+            )
+        folder = Path(model_dir).expanduser() / cfg.local_name
+        # A local copy is either the GGUF file named in the model config or a save_pretrained folder.
+        if cfg.gguf_file and (folder / cfg.gguf_file).is_file():
+            return ModelSource("local", str(folder), cfg.gguf_file)
+        if (folder / "config.json").is_file():
+            return ModelSource("local", str(folder))
+        wanted = folder / cfg.gguf_file if cfg.gguf_file else folder / "config.json"
+        raise ConfigError(
+            f"model file not found: {wanted}; put the model there (a save_pretrained folder also works) or point "
+            f"{MODEL_DIR_ENV} (or model.model_dir) at the folder that holds {cfg.local_name}/"
+        )
+    if not cfg.hub_id:
+        raise ConfigError(f"model {cfg.name!r} has no hub_id; set {MODEL_DIR_ENV} to a folder holding {cfg.local_name}/")
+    return ModelSource("hub", cfg.hub_id)
+
+
+def byte_tokenizer() -> Any:
+    """A byte-level tokenizer built in memory (256 bytes + specials), for tiny random test models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<mask>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(specials + alphabet)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        mask_token="<mask>",
+    )
+
+
+def architecture_config(cfg: ModelConfig, vocab_size: int | None = None) -> Any:
+    """A transformers config from the model YAML's ``architecture`` block."""
+    from transformers import AutoConfig
+
+    arch = dict(cfg.architecture or {})
+    model_type = arch.pop("model_type", None)
+    if not model_type:
+        raise ConfigError(f"model {cfg.name!r}: `architecture` needs a model_type (e.g. llama, roberta)")
+    if vocab_size is not None:
+        arch["vocab_size"] = vocab_size
+    return AutoConfig.for_model(model_type, **arch)
+
+
+def _auto_class(family: str) -> Any:
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    return AutoModelForCausalLM if family == "causal" else AutoModelForMaskedLM
+
+
+def build_meta_model(cfg: ModelConfig) -> nn.Module:
+    """The model's architecture on the ``meta`` device: shapes and counts, no memory, no download."""
+    if not cfg.architecture:
+        raise ConfigError(f"model {cfg.name!r} has no `architecture` block, which a dry run needs")
+    config = architecture_config(cfg)
+    with torch.device("meta"):
+        return _auto_class(cfg.family).from_config(config, dtype=cfg.torch_dtype)
+
+
+def load_model(cfg: ModelConfig, seed: int = 0) -> LoadedModel:
+    """Load model and tokenizer from the resolved source, frozen, in eval mode, on the chosen device."""
+    from transformers import AutoTokenizer
+
+    source = resolve_source(cfg)
+    device = resolve_device(cfg.device)
+    auto = _auto_class(cfg.family)
+    if source.kind == "random":
+        tokenizer = byte_tokenizer()
+        config = architecture_config(cfg, vocab_size=len(tokenizer))
+        config.pad_token_id = tokenizer.pad_token_id
+        # Seeded so that a test model is the same in every process.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = auto.from_config(config)
+    else:
+        if source.kind == "local":
+            os.environ["HF_HUB_OFFLINE"] = "1"  # a local run must never reach for the Hub
+        kwargs: dict[str, Any] = {}
+        if source.gguf_file:
+            kwargs["gguf_file"] = source.gguf_file
+        if cfg.revision and source.kind == "hub":
+            kwargs["revision"] = cfg.revision
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
+        model = auto.from_pretrained(source.path, dtype=cfg.torch_dtype, **kwargs)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    model.to(device=device, dtype=cfg.torch_dtype)
+    model.eval()  # dropout off; first-order methods switch to train() themselves
+    model.requires_grad_(False)
+    return LoadedModel(model, tokenizer, cfg.family, source, device)
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(total, trainable) parameter counts; tied weights are counted once."""
+    seen: set[int] = set()
+    total = trainable = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        if p.requires_grad:
+            trainable += p.numel()
+    return total, trainable
+
+
+def as_dict(cfg: ModelConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,49 @@
+"""First-order baselines (FT, LoRA-FO, adapters-FO): torch's AdamW behind the optimizer registry (SPEC §5)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import torch
+
+from adazeta.errors import ConfigError
+from adazeta.optim import OPTIMIZERS
+from adazeta.optim.spsa import decay_groups
+
+
+@dataclasses.dataclass
+class AdamWConfig:
+    """AdamW hyper-parameters; the reference FT runs on Llama-2-7B use lr 1e-5."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0  # decoupled decay on weights only, never on biases or norms
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8  # AdamW's denominator guard (not the ZO perturbation scale)
+    grad_clip: float | None = None  # max global grad norm, applied by the training loop; None: no clipping
+
+    def __post_init__(self) -> None:
+        # Hydra hands lists; a tuple keeps the config hashable and matches torch's signature.
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+        if self.lr < 0:
+            raise ConfigError(f"optimizer.lr={self.lr!r} must be >= 0")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay={self.weight_decay!r} must be >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optimizer.betas={list(self.betas)!r} must be two values in [0, 1)")
+        if self.eps <= 0:
+            raise ConfigError(f"optimizer.eps={self.eps!r} must be > 0")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ConfigError(f"optimizer.grad_clip={self.grad_clip!r} must be > 0 or null (no clipping)")
+
+
+@OPTIMIZERS.register("adamw", AdamWConfig)
+def build_adamw(
+    named_params: Iterable[tuple[str, torch.Tensor]], cfg: AdamWConfig, seed: int
+) -> torch.optim.AdamW:
+    # seed is unused: AdamW draws no randomness. The loop clips to `optimizer.grad_clip` before step().
+    optimizer = torch.optim.AdamW(
+        decay_groups(named_params, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps
+    )
+    optimizer.grad_clip = cfg.grad_clip
+    return optimizer

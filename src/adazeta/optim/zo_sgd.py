@@ -1,0 +1,198 @@
+"""ZO-SGD: MeZO's zeroth-order SGD with Q queries per step, as a drop-in ``torch.optim.Optimizer`` (SPEC §3)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from adazeta.errors import ConfigError
+from adazeta.optim import OPTIMIZERS
+from adazeta.optim.spsa import Masks, decay_groups, perturb_, projected_gradient, query_seed, zo_update_
+
+Closure = Callable[[], torch.Tensor | float]
+
+REDUCTIONS = ("mean", "sum")
+ESTIMATORS = ("central", "one_sided")
+
+
+def _validate(where: str, lr: float, eps: float, weight_decay: float, reduction: str, estimator: str) -> None:
+    """Fail at start-up, naming the field, its value and what is allowed."""
+    if lr < 0:
+        raise ConfigError(f"{where}lr={lr!r} must be >= 0")
+    if eps <= 0:
+        raise ConfigError(f"{where}eps={eps!r} must be > 0")
+    if weight_decay < 0:
+        raise ConfigError(f"{where}weight_decay={weight_decay!r} must be >= 0")
+    if reduction not in REDUCTIONS:
+        raise ConfigError(f"{where}reduction={reduction!r} must be one of {', '.join(REDUCTIONS)}")
+    if estimator not in ESTIMATORS:
+        raise ConfigError(f"{where}estimator={estimator!r} must be one of {', '.join(ESTIMATORS)}")
+
+
+def _check_queries(n_queries: Any) -> int:
+    if isinstance(n_queries, bool) or not isinstance(n_queries, int) or n_queries < 1:
+        raise ConfigError(f"ZOSGD n_queries={n_queries!r} must be an int >= 1")
+    return n_queries
+
+
+class ZOSGD(torch.optim.Optimizer):
+    """Zeroth-order SGD (MeZO, Malladi et al. 2023, Algorithm 1) with Q directions per step (AdaZeta, Eq. 2).
+
+    ``step(closure)`` takes a closure that returns the minibatch loss *without* calling backward; it is called
+    2Q times (central) or Q + 1 times (one_sided) under ``torch.no_grad``, on the same minibatch. Q is the
+    public attribute ``n_queries``, which the training loop sets each step from the query schedule.
+
+    The directions are never stored: query q of step k draws z from ``query_seed(seed, k, q)``. The step is
+    split in two: ``_estimate`` evaluates the perturbed losses and returns the projected gradients, and
+    ``zo_update_`` applies them. A batched estimator (all Q perturbations in one forward) or a distributed one
+    (queries spread over ranks, projected gradients all-gathered) overrides ``_estimate`` only.
+    """
+
+    zeroth_order = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-4,
+        eps: float = 1e-3,
+        weight_decay: float = 0.0,
+        seed: int = 0,
+        n_queries: int = 1,
+        reduction: str = "mean",
+        estimator: str = "central",
+    ):
+        _validate("ZOSGD ", lr, eps, weight_decay, reduction, estimator)
+        if seed < 0:
+            raise ConfigError(f"ZOSGD seed={seed!r} must be >= 0")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+        for group in self.param_groups:  # per-group overrides get the same checks as the defaults
+            _validate("ZOSGD param group ", group["lr"], eps, group["weight_decay"], reduction, estimator)
+        # eps is one value for all parameters: one perturbation moves every parameter along the same z.
+        self.eps = eps
+        self.seed = seed
+        self.n_queries = _check_queries(n_queries)
+        self.reduction = reduction
+        self.estimator = estimator
+        self.state_step = 0
+        self.forward_passes = 0
+        self.last_losses: torch.Tensor | None = None
+        self.last_projected_grads: torch.Tensor | None = None
+
+    def masks(self, params: Sequence[torch.Tensor]) -> Masks:
+        """Which entries of each parameter to perturb and update; None means all (Sparse-MeZO overrides this)."""
+        return None
+
+    @torch.no_grad()
+    def step(  # type: ignore[override]
+        self, closure: Closure | None = None, n_queries: int | None = None
+    ) -> torch.Tensor:
+        """One ZO-SGD step; returns the mean of every loss it evaluated (a device tensor), the loss to log."""
+        if closure is None:
+            raise ValueError("ZOSGD.step needs a closure that returns the loss (no backward)")
+        q = _check_queries(self.n_queries if n_queries is None else n_queries)
+        params, lrs, wds = [], [], []
+        for group in self.param_groups:
+            for p in group["params"]:
+                params.append(p)
+                lrs.append(group["lr"])
+                wds.append(group["weight_decay"])
+        seeds = [query_seed(self.seed, self.state_step, i) for i in range(q)]
+        masks = self.masks(params)
+
+        losses, grads = self._estimate(closure, params, seeds, masks)
+        zo_update_(params, seeds, grads, lrs, wds, self.reduction, masks)
+
+        self.state_step += 1
+        self.forward_passes += len(losses)
+        self.last_losses, self.last_projected_grads = losses, grads
+        return losses.mean()
+
+    def _estimate(
+        self, closure: Closure, params: Sequence[torch.Tensor], seeds: Sequence[int], masks: Masks = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Evaluate the perturbed losses; return (all losses evaluated, projected gradient per query) on device.
+
+        Leaves the parameters as it found them (up to rounding). Queries run one after another here; override
+        this method to batch them or to spread them over ranks.
+        """
+        eps = self.eps
+        losses: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        if self.estimator == "central":
+            for seed in seeds:
+                perturb_(params, seed, eps, masks)
+                loss_plus = _as_loss(closure())
+                perturb_(params, seed, -2 * eps, masks)
+                loss_minus = _as_loss(closure())
+                perturb_(params, seed, eps, masks)
+                losses += [loss_plus, loss_minus]
+                grads.append(projected_gradient(loss_plus, loss_minus, eps))
+        else:
+            # One-sided (L(w + eps z) - L(w)) / eps: Q + 1 forwards instead of 2Q, at the price of O(eps) bias.
+            loss_zero = _as_loss(closure())
+            losses.append(loss_zero)
+            for seed in seeds:
+                perturb_(params, seed, eps, masks)
+                loss_plus = _as_loss(closure())
+                perturb_(params, seed, -eps, masks)
+                losses.append(loss_plus)
+                grads.append((loss_plus - loss_zero) / eps)
+        return torch.stack(losses), torch.stack(grads)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        # The step count is part of every query's seed: resuming without it would replay old directions.
+        state["zo"] = {
+            "step": self.state_step,
+            "seed": self.seed,
+            "forward_passes": self.forward_passes,
+            "n_queries": self.n_queries,
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        zo = state_dict.pop("zo", None)
+        super().load_state_dict(state_dict)
+        if zo is not None:
+            self.state_step = int(zo["step"])
+            self.seed = int(zo["seed"])
+            self.forward_passes = int(zo.get("forward_passes", 0))
+            self.n_queries = _check_queries(int(zo.get("n_queries", self.n_queries)))
+
+
+def _as_loss(value: torch.Tensor | float) -> torch.Tensor:
+    """The closure's loss as a detached scalar tensor of at least fp32, left on its device (no host sync)."""
+    loss = torch.as_tensor(value).detach()
+    if loss.numel() != 1:
+        raise ValueError(f"the ZOSGD closure must return a scalar loss, got shape {tuple(loss.shape)}")
+    return loss.to(torch.promote_types(loss.dtype, torch.float32)).reshape(())
+
+
+@dataclasses.dataclass
+class ZOSGDConfig:
+    """ZO-SGD hyper-parameters; the query count comes from the schedule, not from here."""
+
+    lr: float = 1e-4  # constant step size; MeZO on all weights needs ~1e-6, adapters ~1e-4
+    eps: float = 1e-3  # perturbation scale; much smaller loses the loss difference to rounding in bf16
+    weight_decay: float = 0.0  # applied to weights only, never to biases or norms
+    reduction: str = "mean"  # mean: reference code's 1/Q; sum: paper slides' plain sum (step grows with Q)
+    estimator: str = "central"  # central: 2Q forwards; one_sided: Q + 1 forwards, biased by O(eps)
+
+    def __post_init__(self) -> None:
+        _validate("optimizer.", self.lr, self.eps, self.weight_decay, self.reduction, self.estimator)
+
+
+@OPTIMIZERS.register("zo_sgd", ZOSGDConfig)
+def build_zo_sgd(named_params: Iterable[tuple[str, torch.Tensor]], cfg: ZOSGDConfig, seed: int) -> ZOSGD:
+    return ZOSGD(
+        decay_groups(named_params, cfg.weight_decay),
+        lr=cfg.lr,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        seed=seed,
+        reduction=cfg.reduction,
+        estimator=cfg.estimator,
+    )

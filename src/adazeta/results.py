@@ -1,0 +1,64 @@
+"""Result records with provenance: every number in a table traces back to a config and a commit (STYLE §8)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PACKAGES = ("adazeta", "torch", "transformers", "peft", "datasets", "hydra-core", "wandb", "tensorly", "gguf")
+STATUSES = ("finished", "diverged", "failed")
+
+
+def git_state(where: Path | None = None) -> dict[str, Any]:
+    """The commit and dirty flag of the source tree this package runs from (None outside a checkout)."""
+    where = where or Path(__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    dirty = None if commit is None else bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {"commit": commit, "dirty": dirty}
+
+
+def package_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {"type": device.type, "host": platform.node(), "cpu_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        info["name"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    else:
+        info["name"] = platform.processor() or platform.machine()
+    return info
+
+
+def write_result(path: Path, record: dict[str, Any]) -> None:
+    """Write atomically (temp file + rename), so a reader never sees half a record."""
+    if record.get("status") not in STATUSES:
+        raise ValueError(f"result status {record.get('status')!r} is not one of {STATUSES}")
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())

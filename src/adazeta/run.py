@@ -1,0 +1,246 @@
+"""The one place that reads the Hydra config and wires the pieces together (STYLE §1).
+
+config -> model + adapter -> task data -> optimizer + query schedule -> loop -> evaluation -> tracked results.
+Everything is parsed into typed, validated dataclasses first, and local files are checked, so that a user's
+mistake costs one line and no model load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import adazeta.adapters  # noqa: F401  (registers the built-in adapters)
+import adazeta.optim  # noqa: F401  (registers the built-in optimizers)
+from adazeta.adapters import ADAPTERS
+from adazeta.errors import ConfigError
+from adazeta.models import ModelConfig, count_parameters, load_model, resolve_source
+from adazeta.optim import OPTIMIZERS
+from adazeta.registry import make_config
+from adazeta.results import device_info, git_state, package_versions, write_result
+from adazeta.schedules import SCHEDULES, mean_queries
+from adazeta.scoring import batches, encode
+from adazeta.tasks.loaders import DataConfig, load_task, local_files
+from adazeta.tasks.spec import TaskSpec
+from adazeta.tracking import DivergenceConfig, DivergenceMonitor, Tracker, WandbConfig, peak_memory_mb, reset_peak_memory
+from adazeta.train import TrainConfig, steps_per_epoch, train
+
+log = logging.getLogger("adazeta")
+
+
+@dataclass
+class Component:
+    """A registered piece chosen by name, with its typed config."""
+
+    kind: str
+    config: Any
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **dataclasses.asdict(self.config)}
+
+
+@dataclass
+class Settings:
+    """The whole run, typed and validated."""
+
+    seed: int
+    dry_run: bool
+    method: str
+    model: ModelConfig
+    task: TaskSpec
+    adapter: Component
+    optimizer: Component | None
+    schedule: Component
+    train: TrainConfig
+    data: DataConfig
+    divergence: DivergenceConfig
+    wandb: WandbConfig
+    experiment: str | None
+    raw: dict[str, Any]  # the composed config, for provenance
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def _component(registry: Any, node: dict[str, Any] | None, where: str) -> Component | None:
+    if node is None:
+        return None
+    values = dict(node)
+    kind = values.pop("kind", None)
+    if kind is None:
+        raise ConfigError(f"{where} needs a `kind` (one of {', '.join(registry.names())})")
+    entry = registry.get(kind)
+    return Component(kind, make_config(entry.config_cls, values, where=f"{where} {kind!r}"))
+
+
+def parse(cfg: DictConfig) -> Settings:
+    """Hydra config -> typed settings. Raises ConfigError with a one-line message on any bad value."""
+    raw = _plain(cfg)
+    method = raw["method"]
+    schedule = dict(raw["schedule"])
+    schedule_name = schedule.pop("name")
+    settings = Settings(
+        seed=int(raw["seed"]),
+        dry_run=bool(raw.get("dry_run", False)),
+        method=method["name"],
+        model=make_config(ModelConfig, raw["model"], where="model"),
+        task=make_config(TaskSpec, raw["task"], where="task"),
+        adapter=_component(ADAPTERS, method.get("adapter") or {"kind": "none"}, "method.adapter"),
+        optimizer=_component(OPTIMIZERS, method.get("optimizer"), "method.optimizer"),
+        schedule=Component(schedule_name, SCHEDULES.config(schedule_name, schedule)),
+        train=make_config(TrainConfig, raw["train"], where="train"),
+        data=make_config(DataConfig, raw["data"], where="data"),
+        divergence=make_config(DivergenceConfig, raw["divergence"], where="divergence"),
+        wandb=make_config(WandbConfig, raw["wandb"], where="wandb"),
+        experiment=raw.get("experiment_name"),
+        raw=raw,
+    )
+    shapes = settings.model.tt_shapes
+    adapter = settings.adapter.config
+    if settings.adapter.kind == "tt" and shapes and adapter.shape_down is None and adapter.shape_up is None:
+        # The model's reference shapes (e.g. [8,8,16,8,8] for RoBERTa-Large) unless the method names its own.
+        settings.adapter.config = dataclasses.replace(adapter, shape_down=shapes["down"], shape_up=shapes["up"])
+    unknown = sorted(set(method) - {"name", "adapter", "optimizer", "description"})
+    if unknown:
+        raise ConfigError(f"method {method['name']!r}: unknown key(s) {', '.join(unknown)}")
+    return settings
+
+
+def preflight(s: Settings) -> None:
+    """Checks that need no model: adapter shapes against the architecture, local model and data files."""
+    hidden = s.model.hidden_size
+    if hidden and hasattr(s.adapter.config, "check_hidden"):
+        s.adapter.config.check_hidden(hidden)
+    if s.dry_run:
+        return
+    resolve_source(s.model)
+    if s.data.data_dir:
+        local_files(s.task, s.data.data_dir)
+    if s.optimizer is None and s.adapter.kind != "none":
+        raise ConfigError(f"method {s.method!r} trains an adapter but has no optimizer; set method.optimizer")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed once, at entry. Below this, randomness comes from local generators derived from the seed."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Run one experiment described by the composed config; write its files to ``run_dir``; return the record."""
+    s = parse(cfg)
+    preflight(s)
+    if s.dry_run:
+        from adazeta.dryrun import dry_run
+
+        return dry_run(s)
+    return execute(s, run_dir)
+
+
+def execute(s: Settings, run_dir: Path) -> dict[str, Any]:
+    started = time.time()
+    seed_everything(s.seed)
+    record: dict[str, Any] = {
+        "method": s.method,
+        "task": s.task.name,
+        "task_version": s.task.version,
+        "model": s.model.name,
+        "seed": s.seed,
+        "experiment": s.experiment,
+        "status": "failed",
+    }
+    tracker = None
+    try:
+        loaded = load_model(s.model, seed=s.seed)
+        device = loaded.device
+        reset_peak_memory(device)
+        if s.model.dtype != "fp32" and s.adapter.kind == "full" and s.optimizer and s.optimizer.kind == "zo_sgd":
+            log.warning("ZO perturbations of %s weights lose precision (SPEC §8); prefer model.dtype=fp32", s.model.dtype)
+        model = ADAPTERS.get(s.adapter.kind).builder(loaded.model, s.adapter.config)
+        total, trainable = count_parameters(model)
+        family, tok = loaded.family, loaded.tokenizer
+        data = load_task(s.task, s.data, family, s.seed, getattr(tok, "mask_token", None))
+        enc = {split: encode(getattr(data, split), tok, family, s.model.max_length) for split in ("train", "dev", "eval")}
+
+        def collated(split: str) -> list:
+            return [b.to(device) for b in batches(enc[split], s.train.eval_batch_size, family, tok, sort=True)]
+
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        optimizer = None
+        if s.optimizer is not None:
+            if not named:
+                raise ConfigError(f"method {s.method!r} has an optimizer but nothing to train")
+            optimizer = OPTIMIZERS.get(s.optimizer.kind).builder(named, s.optimizer.config, s.seed)
+        num_epochs = s.train.max_steps / (len(data.train) / s.train.batch_size)
+        schedule = SCHEDULES.get(s.schedule.kind).builder(s.schedule.config, num_epochs)
+        record.update(
+            total_params=total,
+            trainable_params=trainable,
+            num_train=len(data.train),
+            num_dev=len(data.dev),
+            num_eval=len(data.eval),
+            data_source=data.source,
+            model_source=dataclasses.asdict(loaded.source),
+        )
+        if optimizer is not None and getattr(optimizer, "zeroth_order", False):
+            per_epoch = steps_per_epoch(len(data.train), s.train.batch_size)
+            record["mean_queries"] = mean_queries(schedule, per_epoch, s.train.max_steps)
+        tags = [f"method:{s.method}", f"task:{s.task.name}", f"model:{s.model.name}"]
+        tracker = Tracker(run_dir, s.wandb, f"{s.method}-{s.task.name}-s{s.seed}", s.raw, tags)
+        outcome = train(
+            model,
+            family,
+            optimizer,
+            schedule,
+            enc["train"],
+            collated("dev"),
+            collated("eval"),
+            s.train,
+            tracker,
+            DivergenceMonitor(s.divergence),
+            device,
+            tok.pad_token_id,
+            getattr(tok, "mask_token_id", None),
+            s.seed,
+        )
+        record.update(
+            status=outcome.status,
+            reason=outcome.reason,
+            steps=outcome.steps,
+            best_step=outcome.best_step,
+            initial_dev_loss=outcome.initial_dev.loss,
+            initial_dev_accuracy=outcome.initial_dev.accuracy,
+            dev_loss=outcome.best_dev.loss,
+            dev_accuracy=outcome.best_dev.accuracy,
+            test_loss=outcome.test.loss,
+            test_accuracy=outcome.test.accuracy,
+            forward_passes=outcome.forward_passes,
+            device=device_info(device),
+            peak_mem_mb=round(peak_memory_mb(device), 1),
+        )
+    except Exception as err:
+        record.update(reason=f"{type(err).__name__}: {err}")
+        raise
+    finally:
+        record.update(
+            wall_time_s=round(time.time() - started, 2),
+            git=git_state(),
+            packages=package_versions(),
+            config=s.raw,
+        )
+        write_result(run_dir / "result.json", record)
+        if tracker is not None:
+            tracker.summary({k: v for k, v in record.items() if isinstance(v, (int, float, str)) and v is not None})
+            tracker.close(failed=record["status"] == "failed")
+    return record

@@ -1,0 +1,183 @@
+"""Where a run's numbers go: CSV files (flushed every row, so a crash loses nothing), wandb, and the console.
+
+Also the two run-health instruments: peak memory and divergence detection.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import resource
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from adazeta.errors import ConfigError
+
+STEP_COLUMNS = ["step", "epoch", "loss", "n_queries", "forward_passes", "lr", "step_time_s", "peak_mem_mb"]
+EVAL_COLUMNS = ["step", "split", "loss", "accuracy"]
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "auto"  # auto: online when credentials exist, else offline files in the run directory
+    project: str = "adazeta"
+    entity: str | None = None
+    group: str | None = None  # defaults to the experiment / sweep name
+    tags: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in WANDB_MODES:
+            raise ConfigError(f"wandb.mode={self.mode!r} is not one of {', '.join(WANDB_MODES)}")
+
+
+@dataclass
+class DivergenceConfig:
+    """A run has diverged on a non-finite loss, or when dev loss > factor x the initial one `patience` times in a row."""
+
+    factor: float = 2.0
+    patience: int = 3
+
+    def __post_init__(self) -> None:
+        if self.factor <= 1.0:
+            raise ConfigError(f"divergence.factor={self.factor} must be > 1")
+        if self.patience < 1:
+            raise ConfigError(f"divergence.patience={self.patience} must be >= 1")
+
+
+class DivergenceMonitor:
+    """Tracks the dev loss against the first one; ``update`` returns a reason string once the run has diverged."""
+
+    def __init__(self, cfg: DivergenceConfig):
+        self.cfg = cfg
+        self.initial: float | None = None
+        self.strikes = 0
+
+    @staticmethod
+    def non_finite(loss: float) -> str | None:
+        return None if math.isfinite(loss) else f"non-finite training loss ({loss})"
+
+    def update(self, dev_loss: float) -> str | None:
+        if not math.isfinite(dev_loss):
+            return f"non-finite dev loss ({dev_loss})"
+        if self.initial is None:
+            self.initial = dev_loss
+            return None
+        if dev_loss > self.cfg.factor * self.initial:
+            self.strikes += 1
+        else:
+            self.strikes = 0
+        if self.strikes >= self.cfg.patience:
+            return (
+                f"dev loss {dev_loss:.4f} above {self.cfg.factor} x initial {self.initial:.4f} "
+                f"for {self.strikes} evaluations in a row"
+            )
+        return None
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA peak allocated on a GPU; the process's peak resident set size on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work, so that wall-clock timings are honest."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def show_progress() -> bool:
+    """A progress bar on a terminal; none under CI or when output is piped."""
+    return sys.stderr.isatty() and not os.environ.get("CI")
+
+
+def wandb_has_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return "api.wandb.ai" in netrc.read_text()
+    except OSError:
+        return False
+
+
+class CsvSink:
+    """Append-only CSV with a fixed header; each row is flushed at once."""
+
+    def __init__(self, path: Path, columns: list[str]):
+        self.columns = columns
+        self._file = open(path, "w", newline="", encoding="utf-8")
+        self._writer = csv.DictWriter(self._file, fieldnames=columns)
+        self._writer.writeheader()
+        self._file.flush()
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._writer.writerow({k: row.get(k) for k in self.columns})
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Tracker:
+    """metrics.csv, eval.csv and wandb, fed by the training loop."""
+
+    def __init__(self, run_dir: Path, cfg: WandbConfig, run_name: str, config: dict[str, Any], tags: list[str]):
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = CsvSink(run_dir / "metrics.csv", STEP_COLUMNS)
+        self.evals = CsvSink(run_dir / "eval.csv", EVAL_COLUMNS)
+        self.wandb = None
+        mode = cfg.mode
+        if mode == "auto":
+            mode = "online" if wandb_has_credentials() else "offline"
+        self.wandb_mode = mode
+        if mode != "disabled":
+            import wandb
+
+            self.wandb = wandb.init(
+                project=cfg.project,
+                entity=cfg.entity,
+                group=cfg.group,
+                tags=sorted(set(tags + list(cfg.tags or []))),
+                name=run_name,
+                config=config,
+                dir=str(run_dir),
+                mode=mode,
+                reinit="finish_previous",
+                settings=wandb.Settings(silent=True, console="off"),
+            )
+
+    def log_step(self, row: dict[str, Any]) -> None:
+        self.metrics.write(row)
+        if self.wandb is not None:
+            self.wandb.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def log_eval(self, step: int, split: str, loss: float, accuracy: float) -> None:
+        self.evals.write({"step": step, "split": split, "loss": loss, "accuracy": accuracy})
+        if self.wandb is not None:
+            self.wandb.log({f"{split}/loss": loss, f"{split}/accuracy": accuracy}, step=step)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        if self.wandb is not None:
+            for k, v in values.items():
+                self.wandb.summary[k] = v
+
+    def close(self, failed: bool = False) -> None:
+        self.metrics.close()
+        self.evals.close()
+        if self.wandb is not None:
+            self.wandb.finish(exit_code=1 if failed else 0)
+            self.wandb = None

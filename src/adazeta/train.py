@@ -1,0 +1,184 @@
+"""The training loop: minibatches over epochs, a ZO or first-order step, dev evaluation, best-dev checkpoint.
+
+Read top to bottom. Everything it needs arrives as typed arguments; it never sees the Hydra config.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from adazeta.errors import ConfigError
+from adazeta.evaluate import EvalResult, evaluate
+from adazeta.scoring import Batch, Encoded, batch_loss, collate
+from adazeta.tracking import DivergenceMonitor, Tracker, peak_memory_mb, show_progress, sync
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 10000  # optimizer steps (SPEC §6: 10,000 for Llama-2-7B)
+    batch_size: int = 16  # examples per step (SPEC §5: 16; 64 also reported)
+    eval_every: int = 200  # dev evaluation period in steps (SPEC §6: 200)
+    eval_batch_size: int = 32  # examples per evaluation forward; memory only, never changes results
+    grad_accum: int = 1  # first-order only: micro-batches per step (gradients summed over all of them)
+    keep_best: bool = True  # restore the best-dev-loss trainable state before the test evaluation
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "batch_size", "eval_every", "eval_batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1")
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(
+                f"train.batch_size={self.batch_size} is not divisible by train.grad_accum={self.grad_accum}"
+            )
+
+
+@dataclass
+class Outcome:
+    status: str  # finished | diverged
+    reason: str | None
+    steps: int
+    best_step: int
+    initial_dev: EvalResult
+    best_dev: EvalResult
+    test: EvalResult
+    forward_passes: int
+
+
+def steps_per_epoch(num_train: int, batch_size: int) -> int:
+    return math.ceil(num_train / batch_size)
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of the trainable parameters (the best-dev checkpoint, kept in memory)."""
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+
+
+@torch.no_grad()
+def load_trainable_state_(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    for name, value in state.items():
+        params[name].copy_(value)
+
+
+def train(
+    model: nn.Module,
+    family: str,
+    optimizer: torch.optim.Optimizer | None,
+    schedule: Callable[[int], int],
+    train_items: Sequence[Encoded],
+    dev_batches: Sequence[Batch],
+    test_batches: Sequence[Batch],
+    cfg: TrainConfig,
+    tracker: Tracker,
+    monitor: DivergenceMonitor,
+    device: torch.device,
+    pad_id: int,
+    mask_id: int | None,
+    seed: int,
+) -> Outcome:
+    """Train for ``cfg.max_steps`` steps (none when ``optimizer`` is None) and evaluate the best-dev state."""
+
+    def dev_eval(step: int) -> EvalResult:
+        result = evaluate(model, dev_batches, family)
+        tracker.log_eval(step, "dev", result.loss, result.accuracy)
+        return result
+
+    initial = best = dev_eval(0)
+    monitor.update(initial.loss)
+    best_step, best_state = 0, (trainable_state(model) if cfg.keep_best and optimizer else None)
+    status, reason, step, forward_passes = "finished", None, 0, 0
+
+    if optimizer is not None:
+        zeroth_order = getattr(optimizer, "zeroth_order", False)
+        per_epoch = steps_per_epoch(len(train_items), cfg.batch_size)
+        order_gen = torch.Generator().manual_seed(seed)  # data order only; perturbations have their own
+        order = torch.randperm(len(train_items), generator=order_gen)
+        bar = tqdm(total=cfg.max_steps, disable=not show_progress(), desc="train", dynamic_ncols=True)
+        for step in range(1, cfg.max_steps + 1):
+            epoch, slot = divmod(step - 1, per_epoch)
+            if slot == 0 and step > 1:
+                order = torch.randperm(len(train_items), generator=order_gen)
+            chosen = [train_items[i] for i in order[slot * cfg.batch_size : (slot + 1) * cfg.batch_size].tolist()]
+            start = time.perf_counter()
+            if zeroth_order:
+                n_queries = schedule(epoch)
+                batch = collate(chosen, family, pad_id, mask_id).to(device)
+                optimizer.n_queries = n_queries
+                loss = optimizer.step(lambda: batch_loss(model, batch, family))
+                forward_passes = optimizer.forward_passes
+            else:
+                n_queries = 0
+                loss = first_order_step(model, optimizer, chosen, cfg.grad_accum, family, pad_id, mask_id, device)
+                forward_passes += cfg.grad_accum
+            loss_value = float(loss)  # one host sync per step, never per query
+            sync(device)
+            step_time = time.perf_counter() - start
+            tracker.log_step(
+                {
+                    "step": step,
+                    "epoch": epoch,
+                    "loss": loss_value,
+                    "n_queries": n_queries,
+                    "forward_passes": forward_passes,
+                    "lr": optimizer.param_groups[0]["lr"],
+                    "step_time_s": round(step_time, 4),
+                    "peak_mem_mb": round(peak_memory_mb(device), 1),
+                }
+            )
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.4f}", q=n_queries)
+            reason = monitor.non_finite(loss_value)
+            if reason is None and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+                result = dev_eval(step)
+                if result.loss < best.loss:
+                    best, best_step = result, step
+                    best_state = trainable_state(model) if cfg.keep_best else None
+                reason = monitor.update(result.loss)
+            if reason is not None:
+                status = "diverged"
+                break
+        bar.close()
+        if cfg.keep_best and best_state is not None:
+            load_trainable_state_(model, best_state)
+        elif not cfg.keep_best:
+            best_step = step
+
+    test = evaluate(model, test_batches, family)
+    tracker.log_eval(best_step, "test", test.loss, test.accuracy)
+    return Outcome(status, reason, step, best_step, initial, best, test, forward_passes)
+
+
+def first_order_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    items: Sequence[Encoded],
+    grad_accum: int,
+    family: str,
+    pad_id: int,
+    mask_id: int | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """One AdamW step; gradients of all ``grad_accum`` micro-batches are summed (each scaled by its share)."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    size = math.ceil(len(items) / grad_accum)
+    total = torch.zeros((), device=device)
+    for start in range(0, len(items), size):
+        micro = items[start : start + size]
+        batch = collate(micro, family, pad_id, mask_id).to(device)
+        loss = batch_loss(model, batch, family) * (len(micro) / len(items))
+        loss.backward()
+        total += loss.detach()
+    clip = getattr(optimizer, "grad_clip", None)
+    if clip:
+        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], clip)
+    optimizer.step()
+    model.eval()
+    return total

@@ -1,0 +1,379 @@
+"""Tensor-train helpers and TT adapters (SPEC §2): shapes, contraction, init, placement and parameter counts."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import tensorly as tl
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    OPTConfig,
+    RobertaConfig,
+    RobertaForMaskedLM,
+)
+
+from adazeta.adapters import ADAPTERS
+from adazeta.adapters.tt import (
+    AdaptedLinear,
+    TTAdapter,
+    TTAdapterConfig,
+    TTLinear,
+    add_tt_adapters,
+    count_adapters,
+)
+from adazeta.errors import ConfigError
+from adazeta.tensor.tt import (
+    contract_cores,
+    default_shape,
+    factorize,
+    init_cores,
+    split_index,
+    tt_matmul,
+    tt_num_params,
+    tt_ranks,
+)
+
+LLAMA_DOWN, LLAMA_UP = [16, 16, 16, 4, 4, 4], [4, 4, 4, 16, 16, 16]
+ROBERTA_SHAPE = [8, 8, 16, 8, 8]
+
+
+def trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def is_adapter_param(name: str) -> bool:
+    return ".adapter.down." in name or ".adapter.up." in name
+
+
+# ---------------------------------------------------------------------------------------------- pure helpers
+
+
+@pytest.mark.parametrize(
+    "n, expected",
+    [(576, [8, 8, 9]), (64, [4, 4, 4]), (4096, [16, 16, 16]), (1024, [8, 8, 16]), (7, [1, 1, 7]), (1, [1, 1, 1])],
+)
+def test_factorize_table(n, expected):
+    assert factorize(n) == expected
+
+
+def test_factorize_other_counts_and_bad_input():
+    assert factorize(4096, 2) == [64, 64]
+    assert math.prod(factorize(11008, 4)) == 11008
+    with pytest.raises(ValueError):
+        factorize(0)
+
+
+def test_default_shape_and_split():
+    assert default_shape(4096, 64) == LLAMA_DOWN
+    assert default_shape(64, 4096) == LLAMA_UP
+    assert default_shape(576, 64) == [8, 8, 9, 4, 4, 4]
+    assert split_index(LLAMA_DOWN, 4096) == 3
+    assert split_index(ROBERTA_SHAPE, 64) == 2
+    with pytest.raises(ValueError, match="in_features=100"):
+        split_index(LLAMA_DOWN, 100)
+
+
+def test_tt_ranks_and_num_params():
+    assert tt_ranks(4, 5) == [1, 5, 5, 5, 1]
+    assert tt_num_params(LLAMA_DOWN, 5) == 1100  # 80 + 400 + 400 + 100 + 100 + 20
+    assert tt_num_params(LLAMA_UP, 5) == 1100
+    assert tt_num_params(ROBERTA_SHAPE, 5) == 880
+    assert tt_num_params([3, 4], 1) == 7
+
+
+@pytest.mark.parametrize(
+    "shape, n_in, n_out, rank",
+    [
+        ([2, 3, 4], 6, 4, 3),
+        ([2, 3, 4, 5], 2, 60, 2),
+        ([8, 8, 9, 4, 4, 4], 576, 64, 5),
+        ([4, 4, 4, 8, 8, 9], 64, 576, 5),
+        (LLAMA_DOWN, 4096, 64, 5),
+        (LLAMA_UP, 64, 4096, 5),
+        (ROBERTA_SHAPE, 1024, 64, 5),
+        (ROBERTA_SHAPE, 64, 1024, 5),
+    ],
+)
+def test_tt_matmul_matches_tensorly_reconstruction(shape, n_in, n_out, rank):
+    g = torch.Generator().manual_seed(0)
+    cores = init_cores(shape, rank, n_in, n_out, generator=g)
+    x = torch.randn(3, 2, n_in, generator=g)
+    # Reference: tensorly's dense reconstruction (numpy backend, float64), reshaped row-major to (in, out).
+    with tl.backend_context("numpy"):  # independent of any backend another test may have set globally
+        dense = tl.tt_to_tensor([c.double().numpy() for c in cores]).reshape(n_in, n_out)
+    expected = x.double().numpy() @ dense
+    got = tt_matmul(x, cores, split_index(shape, n_in))
+    assert got.shape == (3, 2, n_out)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(got.numpy(), expected, atol=1e-5 * scale, rtol=1e-5)
+    np.testing.assert_allclose(contract_cores(cores[: split_index(shape, n_in)]).shape, (n_in, rank))
+
+
+def test_init_std_matches_target():
+    """Entries of the reconstructed matrix have std s = sqrt(1/(in+out)) on average over draws."""
+    g = torch.Generator().manual_seed(0)
+    n_in, n_out, shape = 576, 64, [8, 8, 9, 4, 4, 4]
+    second_moments = [
+        contract_cores(init_cores(shape, 5, n_in, n_out, generator=g)).pow(2).mean() for _ in range(100)
+    ]
+    std = torch.stack(second_moments).mean().sqrt().item()
+    assert std == pytest.approx(math.sqrt(1 / (n_in + n_out)), rel=0.15)
+
+
+def test_init_cores_are_seeded_and_meta_safe():
+    a = init_cores([4, 4, 4], 3, 4, 16, generator=torch.Generator().manual_seed(1))
+    b = init_cores([4, 4, 4], 3, 4, 16, generator=torch.Generator().manual_seed(1))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    with torch.device("meta"):
+        meta = init_cores([4, 4, 4], 3, 4, 16, generator=torch.Generator().manual_seed(1))
+    assert all(c.is_meta for c in meta) and [tuple(c.shape) for c in meta] == [(1, 4, 3), (3, 4, 3), (3, 4, 1)]
+
+
+# ---------------------------------------------------------------------------------------------- modules
+
+
+def test_ttlinear_equals_dense_product_plus_bias():
+    layer = TTLinear(12, 8, [3, 4, 2, 4], rank=3, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(5, 12)
+    dense = contract_cores(list(layer.cores)).reshape(12, 8)
+    torch.testing.assert_close(layer(x), x @ dense + layer.bias)
+    assert layer.bias.abs().max() <= 1 / math.sqrt(8)
+
+
+def test_adapter_is_not_identity_at_init():
+    adapter = TTAdapter(16, 4, [4, 4, 2, 2], [2, 2, 4, 4], rank=3, generator=torch.Generator().manual_seed(0))
+    h = torch.randn(2, 3, 16)
+    assert not torch.allclose(adapter(h), h)
+
+
+def test_adapter_bf16_in_bf16_out_with_fp32_params():
+    adapter = TTAdapter(16, 4, [4, 4, 2, 2], [2, 2, 4, 4], rank=3, generator=torch.Generator().manual_seed(0))
+    h = torch.randn(2, 3, 16)
+    out = adapter(h.bfloat16())
+    assert out.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in adapter.parameters())
+    torch.testing.assert_close(out.float(), adapter(h.bfloat16().float()), atol=0, rtol=1e-2)
+
+
+def test_adapted_linear_positions():
+    base = torch.nn.Linear(8, 4)
+    for position, features in (("input", 8), ("output", 4)):
+        adapter = TTAdapter(features, 2, default_shape(features, 2), default_shape(2, features), rank=2)
+        wrapped = AdaptedLinear(base, adapter, position)
+        x = torch.randn(3, 8)
+        expected = base(adapter(x)) if position == "input" else adapter(base(x))
+        torch.testing.assert_close(wrapped(x), expected)
+        assert wrapped.weight is base.weight
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def test_config_defaults_and_registry():
+    cfg = TTAdapterConfig()
+    assert (cfg.bottleneck, cfg.rank, cfg.placement, cfg.activation) == (64, 5, "official", "relu")
+    assert ADAPTERS.get("tt").config_cls is TTAdapterConfig
+    assert ADAPTERS.config("tt", {"rank": 3}).rank == 3
+
+
+@pytest.mark.parametrize(
+    "values, field",
+    [
+        ({"bottleneck": 0}, "adapter.bottleneck"),
+        ({"rank": 0}, "adapter.rank"),
+        ({"placement": "everywhere"}, "adapter.placement"),
+        ({"activation": "swish2"}, "adapter.activation"),
+        ({"shape_down": [16, 16, 16, 4, 4, 3]}, "adapter.shape_down"),  # product not a multiple of 64
+        ({"shape_down": [16, 16, 8, 4, 4, 8]}, "adapter.shape_down"),  # no suffix multiplying to 64
+        ({"shape_up": [16, 16, 16, 4, 4, 4]}, "adapter.shape_up"),  # no prefix multiplying to 64
+        ({"targets": [{"pattern": "fc1", "position": "middle"}]}, "adapter.targets[0].position"),
+        ({"targets": [{"pattern": "(", "position": "input"}]}, "adapter.targets[0].pattern"),
+    ],
+)
+def test_config_validation_names_the_field(values, field):
+    with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        TTAdapterConfig(**values)
+
+
+def test_check_hidden_reports_the_expected_product():
+    cfg = TTAdapterConfig(shape_down=LLAMA_DOWN, shape_up=LLAMA_UP)
+    cfg.check_hidden(4096)
+    with pytest.raises(ConfigError, match=r"adapter\.shape_down=.*product 262144.*576\*64 = 36864"):
+        cfg.check_hidden(576)
+
+
+# ---------------------------------------------------------------------------------------------- placement
+
+
+def _meta_llama_7b():
+    cfg = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+    )
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+def test_llama2_7b_reference_count():
+    model = add_tt_adapters(_meta_llama_7b(), TTAdapterConfig(shape_down=LLAMA_DOWN, shape_up=LLAMA_UP))
+    assert count_adapters(model) == 96
+    adapter = model.model.layers[0].mlp.down_proj.adapter
+    assert sum(p.numel() for p in adapter.parameters()) == 6360
+    params = trainable(model)
+    assert sum(p.numel() for p in params.values()) == 610_560
+    assert all(is_adapter_param(name) and p.dtype == torch.float32 and p.is_meta for name, p in params.items())
+    # The derived shapes for H = 4096, b = 64 are the reference ones.
+    assert adapter.down.shape == LLAMA_DOWN and adapter.up.shape == LLAMA_UP
+
+
+def test_llama2_7b_paper_placement():
+    model = add_tt_adapters(_meta_llama_7b(), TTAdapterConfig(placement="paper"))
+    assert count_adapters(model) == 64
+    layer = model.model.layers[3]
+    assert isinstance(layer.self_attn.o_proj, AdaptedLinear) and layer.self_attn.o_proj.position == "output"
+    assert not isinstance(layer.mlp.gate_proj, AdaptedLinear)
+
+
+def test_roberta_large_reference_count():
+    cfg = RobertaConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
+    with torch.device("meta"):
+        model = RobertaForMaskedLM(cfg)
+    model = add_tt_adapters(model, TTAdapterConfig(shape_down=ROBERTA_SHAPE, shape_up=ROBERTA_SHAPE))
+    assert count_adapters(model) == 48
+    assert sum(p.numel() for p in model.roberta.encoder.layer[0].output.dense.adapter.parameters()) == 2848
+    assert sum(p.numel() for p in trainable(model).values()) == 136_704
+    # One adapter after the attention-output dense, one after the FFN-output dense; none on the intermediate.
+    layer = model.roberta.encoder.layer[5]
+    assert isinstance(layer.attention.output.dense, AdaptedLinear)
+    assert isinstance(layer.output.dense, AdaptedLinear)
+    assert not isinstance(layer.intermediate.dense, AdaptedLinear)
+    assert not isinstance(model.lm_head.dense, AdaptedLinear)
+
+
+def test_smollm2_shapes_count():
+    cfg = LlamaConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    model = add_tt_adapters(model, TTAdapterConfig())
+    assert count_adapters(model) == 90
+    assert model.model.layers[0].mlp.gate_proj.adapter.down.shape == [8, 8, 9, 4, 4, 4]
+    assert sum(p.numel() for p in trainable(model).values()) == 179_100
+
+
+def test_explicit_shape_mismatching_the_model_fails():
+    with pytest.raises(ConfigError, match=r"adapter\.shape_down"):
+        add_tt_adapters(_meta_llama_7b(), TTAdapterConfig(shape_down=[8, 8, 9, 4, 4, 4]))
+
+
+# ---------------------------------------------------------------------------------------------- tiny real models
+
+
+def _tiny_llama():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def test_tiny_llama_forward_and_only_adapters_train():
+    model = _tiny_llama()
+    ids = torch.randint(0, 100, (2, 7))
+    before = model(ids).logits
+    model = add_tt_adapters(model, TTAdapterConfig(bottleneck=8, rank=3), generator=torch.Generator().manual_seed(0))
+    assert count_adapters(model) == 6
+    params = trainable(model)
+    assert params and all(is_adapter_param(name) for name in params)
+    frozen = dict(model.named_parameters())
+    assert not frozen["lm_head.weight"].requires_grad
+    assert not frozen["model.norm.weight"].requires_grad
+    assert not frozen["model.layers.0.input_layernorm.weight"].requires_grad
+    logits = model(ids).logits
+    assert logits.shape == (2, 7, 100) and torch.isfinite(logits).all()
+    assert not torch.allclose(logits, before)  # the adapters act at init
+
+
+def test_tiny_llama_bf16_backbone_keeps_fp32_adapters():
+    model = _tiny_llama().to(torch.bfloat16)
+    model = add_tt_adapters(model, TTAdapterConfig(bottleneck=8, rank=3))
+    assert all(p.dtype == torch.float32 for p in trainable(model).values())
+    logits = model(torch.randint(0, 100, (1, 5))).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
+def test_tiny_roberta_forward_and_frozen_head():
+    torch.manual_seed(0)
+    cfg = RobertaConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=100
+    )
+    model = add_tt_adapters(RobertaForMaskedLM(cfg), TTAdapterConfig(bottleneck=8, rank=3))
+    assert count_adapters(model) == 4
+    params = trainable(model)
+    assert params and all(is_adapter_param(name) for name in params)
+    assert not any("LayerNorm" in name or name.startswith("lm_head") for name in params)
+    logits = model(torch.randint(3, 100, (2, 6))).logits
+    assert logits.shape == (2, 6, 100) and torch.isfinite(logits).all()
+
+
+def test_tiny_gpt2_conv1d_gets_adapters():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100, bos_token_id=0, eos_token_id=0)
+    )
+    model = add_tt_adapters(model, TTAdapterConfig(bottleneck=8, rank=3))
+    assert count_adapters(model) == 4
+    assert isinstance(model.transformer.h[0].attn.c_proj, AdaptedLinear)
+    assert model.transformer.h[0].mlp.c_proj.adapter.up.out_features == 32  # Conv1D: nf = out features
+    assert all(is_adapter_param(name) for name in trainable(model))
+    assert torch.isfinite(model(torch.randint(0, 100, (2, 5))).logits).all()
+
+
+def test_tiny_opt_gets_adapters():
+    torch.manual_seed(0)
+    cfg = OPTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, vocab_size=100, word_embed_proj_dim=32
+    )
+    model = add_tt_adapters(AutoModelForCausalLM.from_config(cfg), TTAdapterConfig(bottleneck=8, rank=3))
+    assert count_adapters(model) == 4
+    assert model.model.decoder.layers[1].fc1.position == "input"
+    assert model.model.decoder.layers[1].fc2.position == "output"
+    assert all(is_adapter_param(name) for name in trainable(model))
+    assert torch.isfinite(model(torch.randint(2, 100, (2, 5))).logits).all()
+
+
+def test_unknown_architecture_needs_targets():
+    model = _tiny_llama()
+    model.config.model_type = "mystery"
+    with pytest.raises(ConfigError, match=r"adapter\.targets"):
+        add_tt_adapters(model, TTAdapterConfig())
+    targets = [{"pattern": r"mlp\.down_proj$", "position": "output"}]
+    model = add_tt_adapters(model, TTAdapterConfig(bottleneck=8, rank=3, targets=targets))
+    assert count_adapters(model) == 2
+
+
+def test_target_matching_nothing_fails():
+    targets = [{"pattern": r"no_such_layer$", "position": "output"}]
+    with pytest.raises(ConfigError, match="no_such_layer"):
+        add_tt_adapters(_tiny_llama(), TTAdapterConfig(targets=targets))
