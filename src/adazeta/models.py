@@ -117,16 +117,36 @@ def resolve_source(cfg: ModelConfig) -> ModelSource:
     return ModelSource("hub", cfg.hub_id)
 
 
-def byte_tokenizer() -> Any:
-    """A byte-level tokenizer built in memory (256 bytes + specials), for tiny random test models."""
+# Whole-word tokens of the tiny tokenizer: the label words and candidates of the task specs, so that tiny test
+# models exercise the same single-token paths (shared prompt, mask scoring) as real tokenizers do.
+TINY_WORDS = (
+    "terrible bad okay good great Yes No Maybe Description Entity Expression Human Location Number "
+    "positive negative true false"
+).split()
+
+
+def byte_tokenizer(words: tuple[str, ...] | list[str] = TINY_WORDS) -> Any:
+    """A byte-level BPE tokenizer built in memory, for tiny random test models.
+
+    Its vocabulary is the 256 bytes, five special tokens, and merges that make each of ``words`` (with and
+    without a leading space) a single token.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<s>", "</s>", "<unk>", "<mask>"]
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {tok: i for i, tok in enumerate(specials + alphabet)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    vocab = {tok: i for i, tok in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merges: list[tuple[str, str]] = []
+    # Space-prefixed forms first: their merges then outrank the bare forms' inside " word".
+    for form in [" " + w for w in words] + list(words):
+        ((piece, _),) = byte_level.pre_tokenize_str(form)  # bytes -> the byte-level alphabet
+        for i in range(2, len(piece) + 1):
+            if piece[:i] not in vocab:
+                vocab[piece[:i]] = len(vocab)
+                merges.append((piece[: i - 1], piece[i - 1]))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    backend.pre_tokenizer = byte_level
     backend.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,

@@ -169,6 +169,8 @@ def execute(s: Settings, run_dir: Path) -> dict[str, Any]:
             log.warning("ZO perturbations of %s weights lose precision (SPEC §8); prefer model.dtype=fp32", s.model.dtype)
         model = ADAPTERS.get(s.adapter.kind).builder(loaded.model, s.adapter.config)
         total, trainable = count_parameters(model)
+        log.info("model %s from %s on %s: %s parameters, %s trainable (%s)", s.model.name, loaded.source.kind,
+                 device, f"{total:,}", f"{trainable:,}", s.adapter.kind)
         family, tok = loaded.family, loaded.tokenizer
         data = load_task(s.task, s.data, family, s.seed, getattr(tok, "mask_token", None))
         enc = {split: encode(getattr(data, split), tok, family, s.model.max_length) for split in ("train", "dev", "eval")}
@@ -184,6 +186,8 @@ def execute(s: Settings, run_dir: Path) -> dict[str, Any]:
             optimizer = OPTIMIZERS.get(s.optimizer.kind).builder(named, s.optimizer.config, s.seed)
         num_epochs = s.train.max_steps / (len(data.train) / s.train.batch_size)
         schedule = SCHEDULES.get(s.schedule.kind).builder(s.schedule.config, num_epochs)
+        log.info("task %s: %d train / %d dev / %d test examples from %s", s.task.name, len(data.train),
+                 len(data.dev), len(data.eval), data.source)
         record.update(
             total_params=total,
             trainable_params=trainable,
@@ -228,6 +232,11 @@ def execute(s: Settings, run_dir: Path) -> dict[str, Any]:
             forward_passes=outcome.forward_passes,
             device=device_info(device),
             peak_mem_mb=round(peak_memory_mb(device), 1),
+        )
+        log.info(
+            "%s after %d steps (best dev step %d): dev accuracy %.4f -> %.4f, test accuracy %.4f; results in %s",
+            outcome.status, outcome.steps, outcome.best_step, outcome.initial_dev.accuracy,
+            outcome.best_dev.accuracy, outcome.test.accuracy, run_dir,
         )
     except Exception as err:
         record.update(reason=f"{type(err).__name__}: {err}")

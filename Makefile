@@ -1,0 +1,53 @@
+# adazeta: set up, demo, test. `make help` lists the targets.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# PyTorch is installed first, on its own: the default takes the 2.13.0 wheel your pip finds (CPU-only here).
+# For a CUDA GPU: make setup TORCH_SPEC="torch==2.13.0" TORCH_INDEX=https://download.pytorch.org/whl/cu128
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+SHARED ?= ../shared
+
+# Offline when ../shared holds the data and the model (development and CI); otherwise the Hugging Face Hub.
+ifneq ($(wildcard $(SHARED)/data),)
+export ADAZETA_DATA_DIR ?= $(abspath $(SHARED)/data)
+endif
+ifneq ($(wildcard $(SHARED)/models),)
+export ADAZETA_MODEL_DIR ?= $(abspath $(SHARED)/models)
+endif
+
+DEMO_ARGS ?= method=adazeta task=sst2 model=smollm2-135m train.max_steps=40 train.eval_every=20 \
+             data.num_train=320 data.num_dev=100 data.num_eval=200
+
+.PHONY: help setup demo test test-fast dry-run clean
+
+help:
+	@echo "make setup      create $(VENV) and install adazeta with its test extras"
+	@echo "make demo       a short real AdaZeta run: SmolLM2-135M on SST-2 (offline from $(SHARED) if present)"
+	@echo "make test       the whole test suite (tiny models + marked real-model tests)"
+	@echo "make test-fast  only the fast tests on tiny random models"
+	@echo "make dry-run    parameter counts and memory estimate for Llama-2-7B (no download)"
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/pip install -q -e ".[test]"
+	@touch $@
+
+demo: setup
+	$(BIN)/adazeta-run $(DEMO_ARGS)
+
+test: setup
+	$(BIN)/pytest -q
+
+test-fast: setup
+	$(BIN)/pytest -q -m "not slow"
+
+dry-run: setup
+	$(BIN)/adazeta-run model=llama2-7b method=adazeta dry_run=true hydra.run.dir=/tmp/adazeta-dry-run
+
+clean:
+	rm -rf outputs multirun .pytest_cache

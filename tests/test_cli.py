@@ -1,0 +1,88 @@
+"""The `adazeta-run` command as a user meets it: help, printed config, dry runs, and one-line errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+# Only offline variables: the command must never need the network.
+ENV = {k: v for k, v in os.environ.items() if not k.startswith(("ADAZETA_", "WANDB_"))}
+ENV.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+
+
+def adazeta_run(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "adazeta.cli", *args],
+        cwd=cwd,
+        env={**ENV, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_help_lists_every_group_and_its_options():
+    out = adazeta_run("--help").stdout
+    for group, option in [("model", "smollm2-135m"), ("model", "tiny-roberta"), ("task", "rte"),
+                          ("method", "mezo_lora"), ("schedule", "adaptive_official")]:
+        assert group in out and option in out
+
+
+def test_cfg_job_prints_the_composed_config():
+    out = adazeta_run("--cfg", "job", "method=adazeta", "task=rte").stdout
+    assert "name: adaptive" in out and "kind: tt" in out and "name: rte" in out
+
+
+@pytest.mark.parametrize(
+    "model,trainable,adapters",
+    [("llama2-7b", "610,560", "96"), ("roberta-large", "136,704", "48"), ("smollm2-135m", "179,100", "90")],
+)
+def test_dry_run_counts_without_download(model, trainable, adapters, tmp_path):
+    res = adazeta_run(f"model={model}", "method=adazeta", "dry_run=true", f"hydra.run.dir={tmp_path}")
+    assert res.returncode == 0, res.stderr
+    assert f"trainable params {trainable}" in res.stdout
+    assert f"adapters         {adapters}" in res.stdout
+    assert "memory estimate" in res.stdout
+
+
+def test_unknown_option_lists_the_choices(tmp_path):
+    res = adazeta_run("method=adazta", f"hydra.run.dir={tmp_path}")
+    assert res.returncode != 0
+    assert "adazeta" in res.stderr and "mezo_lora" in res.stderr  # Hydra's list of available options
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["method.optimizer.eps=-1"], "optimizer.eps"),
+        (["method=adazeta", "schedule.q_max=0"], "schedule.q_max"),
+        (["train.batch_size=0"], "train.batch_size"),
+        (["method.adapter.shape_down=[8,8,9,4,4,2]"], "adapter.shape_down"),
+        (["data.dir=/nonexistent/data"], "/nonexistent/data/glue/SST-2"),
+        (["model.model_dir=/nonexistent/models"], "/nonexistent/models/SmolLM2-135M-Instruct"),
+    ],
+)
+def test_user_mistakes_get_one_line_and_no_traceback(args, needle, tmp_path):
+    res = adazeta_run(*args, f"hydra.run.dir={tmp_path}")
+    assert res.returncode == 2
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("adazeta-run: error:") and needle in lines[0]
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "result.json").exists()  # nothing heavy happened, nothing was written
+
+
+def test_a_tiny_run_from_the_command_line(tmp_path, fixture_data):
+    res = adazeta_run(
+        "model=tiny-llama", "task=sst2", "method=adazeta", "train.max_steps=3", "train.eval_every=3",
+        "data.num_train=16", "data.num_dev=8", "data.num_eval=8", "train.batch_size=4",
+        f"hydra.run.dir={tmp_path}/run", env={"ADAZETA_DATA_DIR": str(fixture_data)},
+    )
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "run" / "result.json").is_file()

@@ -1,0 +1,66 @@
+"""The Hydra config tree: every option of every group composes and parses into valid typed settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from adazeta.errors import ConfigError
+from adazeta.run import parse
+from conftest import CONF, compose_cfg
+
+GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in ("model", "task", "method", "schedule")}
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_every_option_composes_and_parses(group, option):
+    settings = parse(compose_cfg([f"{group}={option}"]))
+    assert getattr(settings, group if group != "schedule" else "schedule") is not None
+    if group == "method":
+        assert settings.method == option
+    if group == "schedule":
+        assert settings.schedule.kind == option
+
+
+def test_method_brings_its_default_schedule_and_the_command_line_wins():
+    assert parse(compose_cfg(["method=adazeta"])).schedule.kind == "adaptive"
+    assert parse(compose_cfg(["method=mezo"])).schedule.kind == "constant"
+    assert parse(compose_cfg(["method=mezo_lora"])).schedule.config.q == 1
+    assert parse(compose_cfg(["method=adazeta", "schedule=constant"])).schedule.kind == "constant"
+    assert parse(compose_cfg(["method=mezo_lora", "schedule=adaptive"])).schedule.kind == "adaptive"
+
+
+def test_method_defaults_follow_the_spec():
+    s = parse(compose_cfg(["method=adazeta"]))
+    assert (s.adapter.kind, s.adapter.config.bottleneck, s.adapter.config.rank) == ("tt", 64, 5)
+    assert (s.optimizer.kind, s.optimizer.config.lr, s.optimizer.config.eps) == ("zo_sgd", 1e-4, 1e-3)
+    assert parse(compose_cfg(["method=mezo"])).optimizer.config.lr == 5e-7
+    assert parse(compose_cfg(["method=ft"])).optimizer.kind == "adamw"
+    assert s.train.batch_size == 16
+
+
+def test_model_reference_shapes_fill_the_tt_adapter():
+    s = parse(compose_cfg(["model=roberta-large", "method=adazeta"]))
+    assert s.adapter.config.shape_down == [8, 8, 16, 8, 8]
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("method.optimizer.eps=0", "optimizer.eps"),
+        ("schedule.q_max=0", "schedule.q_max"),
+        ("train.batch_size=0", "train.batch_size"),
+        ("data.num_train=0", "data.num_train"),
+        ("model.dtype=fp8", "model.dtype"),
+        ("divergence.patience=0", "divergence.patience"),
+        ("wandb.mode=sometimes", "wandb.mode"),
+    ],
+)
+def test_bad_values_name_the_field(override, field):
+    overrides = [override] + (["method=adazeta"] if "q_max" in override else [])
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        parse(compose_cfg(overrides))
+
+
+def test_unknown_method_key_is_rejected():
+    with pytest.raises(ConfigError, match="unknown key"):
+        parse(compose_cfg(["+method.optimizer.momentum=0.9"]))
