@@ -19,7 +19,7 @@ endif
 DEMO_ARGS ?= method=adazeta task=sst2 model=smollm2-135m train.max_steps=40 train.eval_every=20 \
              data.num_train=320 data.num_dev=100 data.num_eval=200
 
-.PHONY: help setup demo test test-fast dry-run clean
+.PHONY: help setup demo test test-fast dry-run tables figures cpu-convergence clean
 
 help:
 	@echo "make setup      create $(VENV) and install adazeta with its test extras"
@@ -27,6 +27,9 @@ help:
 	@echo "make test       the whole test suite (tiny models + marked real-model tests)"
 	@echo "make test-fast  only the fast tests on tiny random models"
 	@echo "make dry-run    parameter counts and memory estimate for Llama-2-7B (no download)"
+	@echo "make tables     results/tables/*.md and *.tex from results/runs (dev-selected, paper numbers beside)"
+	@echo "make figures    results/figures/*.png: convergence curves and memory bars"
+	@echo "make cpu-convergence  the CPU reproduction: AdaZeta vs MeZO-LoRA vs MeZO on SmolLM2 (about 2 hours)"
 
 setup: $(VENV)/.installed
 
@@ -48,6 +51,15 @@ test-fast: setup
 
 dry-run: setup
 	$(BIN)/adazeta-run model=llama2-7b method=adazeta dry_run=true hydra.run.dir=/tmp/adazeta-dry-run
+
+tables: setup
+	$(BIN)/python scripts/make_tables.py
+
+figures: setup
+	$(BIN)/python scripts/make_figures.py
+
+cpu-convergence: setup
+	$(BIN)/adazeta-run -m experiment=cpu_convergence wandb.mode=offline
 
 clean:
 	rm -rf outputs multirun .pytest_cache

@@ -7,12 +7,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from adazeta.errors import ConfigError
@@ -31,12 +33,22 @@ def config_dir() -> str:
 def _main(cfg: DictConfig) -> float | None:
     from adazeta.run import run
 
+    hydra_cfg = HydraConfig.get()
+    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     try:
-        record = run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        record = run(cfg, Path(hydra_cfg.runtime.output_dir))
     except ConfigError as err:
         # A user's mistake: one line with the fix, no traceback.
         print(f"adazeta-run: error: {err}", file=sys.stderr)
+        if sweeping:
+            return None  # the other jobs of the sweep still run
         sys.exit(2)
+    except Exception:
+        if not sweeping:
+            raise
+        # result.json already says `failed`, with the reason; one failed job must not stop a sweep.
+        logging.getLogger("adazeta").exception("job %s failed; the sweep goes on", hydra_cfg.job.num)
+        return None
     return record.get("dev_accuracy")  # what a Hydra sweeper would optimise
 
 

@@ -23,10 +23,12 @@ import adazeta.adapters  # noqa: F401  (registers the built-in adapters)
 import adazeta.optim  # noqa: F401  (registers the built-in optimizers)
 from adazeta.adapters import ADAPTERS
 from adazeta.errors import ConfigError
+from adazeta.icl import DemonstrationConfig, add_demonstrations_
 from adazeta.models import ModelConfig, count_parameters, load_model, resolve_source
 from adazeta.optim import OPTIMIZERS
+from adazeta.probe import ProbeConfig, linear_probe
 from adazeta.registry import make_config
-from adazeta.results import device_info, git_state, package_versions, write_result
+from adazeta.results import device_info, git_state, package_versions, read_result, write_result
 from adazeta.schedules import SCHEDULES, mean_queries
 from adazeta.scoring import batches, encode
 from adazeta.tasks.loaders import DataConfig, load_task, local_files
@@ -54,6 +56,7 @@ class Settings:
 
     seed: int
     dry_run: bool
+    force: bool  # rerun even when the run directory already holds a finished result
     method: str
     model: ModelConfig
     task: TaskSpec
@@ -66,6 +69,8 @@ class Settings:
     wandb: WandbConfig
     experiment: str | None
     raw: dict[str, Any]  # the composed config, for provenance
+    demonstrations: DemonstrationConfig | None = None  # ICL: solved train examples before each prompt
+    probe: ProbeConfig | None = None  # LP: a logistic regression on frozen features instead of training
 
 
 def _plain(node: Any) -> Any:
@@ -92,6 +97,7 @@ def parse(cfg: DictConfig) -> Settings:
     settings = Settings(
         seed=int(raw["seed"]),
         dry_run=bool(raw.get("dry_run", False)),
+        force=bool(raw.get("force", False)),
         method=method["name"],
         model=make_config(ModelConfig, raw["model"], where="model"),
         task=make_config(TaskSpec, raw["task"], where="task"),
@@ -110,9 +116,20 @@ def parse(cfg: DictConfig) -> Settings:
     if settings.adapter.kind == "tt" and shapes and adapter.shape_down is None and adapter.shape_up is None:
         # The model's reference shapes (e.g. [8,8,16,8,8] for RoBERTa-Large) unless the method names its own.
         settings.adapter.config = dataclasses.replace(adapter, shape_down=shapes["down"], shape_up=shapes["up"])
-    unknown = sorted(set(method) - {"name", "adapter", "optimizer", "description"})
+    unknown = sorted(set(method) - {"name", "adapter", "optimizer", "description", "demonstrations", "probe"})
     if unknown:
         raise ConfigError(f"method {method['name']!r}: unknown key(s) {', '.join(unknown)}")
+    if method.get("demonstrations") is not None:
+        settings.demonstrations = make_config(DemonstrationConfig, method["demonstrations"], where="method.demonstrations")
+    if method.get("probe") is not None:
+        settings.probe = make_config(ProbeConfig, method["probe"], where="method.probe")
+    for key in ("demonstrations", "probe"):
+        if getattr(settings, key) is not None and settings.optimizer is not None:
+            raise ConfigError(f"method {method['name']!r}: method.{key} is training-free; set method.optimizer=null")
+    if settings.demonstrations is not None and settings.probe is not None:
+        raise ConfigError(f"method {method['name']!r}: choose method.demonstrations or method.probe, not both")
+    if settings.probe is not None and settings.task.metric != "accuracy":
+        raise ConfigError(f"method {method['name']!r}: a linear probe classifies; task {settings.task.name!r} is scored by {settings.task.metric}")
     return settings
 
 
@@ -145,7 +162,23 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         from adazeta.dryrun import dry_run
 
         return dry_run(s)
+    done = finished_result(run_dir)
+    if done is not None and not s.force:
+        log.info("skipping: %s already holds a %s result (force=true reruns it)", run_dir, done["status"])
+        return done
     return execute(s, run_dir)
+
+
+def finished_result(run_dir: Path) -> dict[str, Any] | None:
+    """The record of a run that already ended (finished or diverged) in ``run_dir``; failed runs are retried."""
+    path = run_dir / "result.json"
+    if not path.is_file():
+        return None
+    try:
+        record = read_result(path)
+    except ValueError:
+        return None
+    return record if record.get("status") in ("finished", "diverged") else None
 
 
 def execute(s: Settings, run_dir: Path) -> dict[str, Any]:
@@ -173,6 +206,8 @@ def execute(s: Settings, run_dir: Path) -> dict[str, Any]:
                  device, f"{total:,}", f"{trainable:,}", s.adapter.kind)
         family, tok = loaded.family, loaded.tokenizer
         data = load_task(s.task, s.data, family, s.seed, getattr(tok, "mask_token", None))
+        if s.demonstrations is not None:  # ICL: the mean number of demonstrations that fit a test prompt
+            record["demonstrations"] = add_demonstrations_(data, s.demonstrations, tok, family, s.model.max_length, s.seed)
         enc = {split: encode(getattr(data, split), tok, family, s.model.max_length) for split in ("train", "dev", "eval")}
 
         def collated(split: str) -> list:
@@ -202,22 +237,28 @@ def execute(s: Settings, run_dir: Path) -> dict[str, Any]:
             record["mean_queries"] = mean_queries(schedule, per_epoch, s.train.max_steps)
         tags = [f"method:{s.method}", f"task:{s.task.name}", f"model:{s.model.name}"]
         tracker = Tracker(run_dir, s.wandb, f"{s.method}-{s.task.name}-s{s.seed}", s.raw, tags)
-        outcome = train(
-            model,
-            family,
-            optimizer,
-            schedule,
-            enc["train"],
-            collated("dev"),
-            collated("eval"),
-            s.train,
-            tracker,
-            DivergenceMonitor(s.divergence),
-            device,
-            tok.pad_token_id,
-            getattr(tok, "mask_token_id", None),
-            s.seed,
-        )
+        if s.probe is not None:
+            outcome, record["probe"] = linear_probe(
+                model, family, enc, s.probe, s.train.eval_batch_size, device, tok.pad_token_id,
+                getattr(tok, "mask_token_id", None), tracker, s.seed,
+            )
+        else:
+            outcome = train(
+                model,
+                family,
+                optimizer,
+                schedule,
+                enc["train"],
+                collated("dev"),
+                collated("eval"),
+                s.train,
+                tracker,
+                DivergenceMonitor(s.divergence),
+                device,
+                tok.pad_token_id,
+                getattr(tok, "mask_token_id", None),
+                s.seed,
+            )
         record.update(
             status=outcome.status,
             reason=outcome.reason,

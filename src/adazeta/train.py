@@ -28,8 +28,11 @@ class TrainConfig:
     eval_batch_size: int = 32  # examples per evaluation forward; memory only, never changes results
     grad_accum: int = 1  # first-order only: micro-batches per step (gradients summed over all of them)
     keep_best: bool = True  # restore the best-dev-loss trainable state before the test evaluation
+    max_forward_passes: int | None = None  # stop once this many forwards were spent (equal-compute comparisons)
 
     def __post_init__(self) -> None:
+        if self.max_forward_passes is not None and self.max_forward_passes < 1:
+            raise ConfigError(f"train.max_forward_passes={self.max_forward_passes} must be >= 1 or null")
         for name in ("max_steps", "batch_size", "eval_every", "eval_batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1")
@@ -135,7 +138,8 @@ def train(
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.4f}", q=n_queries)
             reason = monitor.non_finite(loss_value)
-            if reason is None and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+            out_of_budget = cfg.max_forward_passes is not None and forward_passes >= cfg.max_forward_passes
+            if reason is None and (step % cfg.eval_every == 0 or step == cfg.max_steps or out_of_budget):
                 result = dev_eval(step)
                 if result.loss < best.loss:
                     best, best_step = result, step
@@ -143,6 +147,8 @@ def train(
                 reason = monitor.update(result.loss)
             if reason is not None:
                 status = "diverged"
+                break
+            if out_of_budget:
                 break
         bar.close()
         if cfg.keep_best and best_state is not None:

@@ -1,0 +1,65 @@
+#!/usr/bin/env python
+"""Write results/figures/*.png: convergence per experiment and task, memory bars, and (optionally) one run.
+
+    python scripts/make_figures.py [--results results/runs] [--out results/figures] [--x forward_passes|step]
+    python scripts/make_figures.py --run outputs/sst2/adazeta/.../   # the curves of a single run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pandas as pd
+
+from adazeta.plots import convergence_figure, memory_figure, read_run, run_figure
+from adazeta.tables import load_results, select_on_dev, setting_id, setting_of
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=ROOT / "results" / "runs")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "figures")
+    parser.add_argument("--x", choices=["forward_passes", "step"], default="forward_passes")
+    parser.add_argument("--memory", type=Path, default=ROOT / "results" / "bench" / "memory.csv")
+    parser.add_argument("--run", type=Path, help="plot one run directory instead")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    if args.run:
+        out = args.out / f"run_{args.run.resolve().name}.png"
+        run_figure(args.run, out)
+        print(out)
+        return
+
+    # Only each method's dev-selected hyper-parameter setting is drawn (as in the tables).
+    results = load_results([args.results]) if args.results.exists() else pd.DataFrame()
+    chosen = set()
+    if len(results):
+        sel = select_on_dev(results)
+        chosen = set(zip(sel["experiment"], sel["model"], sel["task"], sel["method"], sel["setting"]))
+    groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
+    for path in sorted(args.results.rglob("result.json")) if args.results.exists() else []:
+        record = json.loads(path.read_text())
+        key = (record.get("experiment") or "adhoc", record["model"], record["task"])
+        setting = setting_id(setting_of(record.get("config") or {}))
+        if (*key, record["method"], setting) in chosen and (path.parent / "metrics.csv").is_file():
+            groups[key].append(read_run(path.parent))
+    for (experiment, model, task), runs in sorted(groups.items()):
+        out = args.out / f"{experiment}_{model}_{task}.png"
+        convergence_figure(runs, f"{experiment}: {model} on {task}", args.x, out)
+        print(out)
+    if args.memory.is_file():
+        table = pd.read_csv(args.memory)
+        if {"method", "peak_mem_mb"} <= set(table.columns):
+            out = args.out / "memory.png"
+            memory_figure(table, out)
+            print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+#!/usr/bin/env python
+"""Build results/tables/<experiment>.{md,tex} from result files, with the paper's numbers beside ours.
+
+    python scripts/make_tables.py [--results results/runs ...] [--out results/tables]
+
+Hyper-parameters are selected on dev only; test is reported as mean (std) over seeds, † counts diverged runs.
+Runs in seconds, on any machine: it reads JSON files, nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+from adazeta.tables import build_table, load_paper_numbers, load_results, select_on_dev, to_latex, to_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def experiment_axes(name: str) -> tuple[list[str] | None, list[str] | None]:
+    """Methods and tasks an experiment compares, read from its sweep in conf/experiment/<name>.yaml."""
+    path = ROOT / "conf" / "experiment" / f"{name}.yaml"
+    if not path.is_file():
+        return None, None
+    params = ((yaml.safe_load(path.read_text()) or {}).get("hydra") or {}).get("sweeper", {}).get("params", {})
+
+    def split(value: object) -> list[str] | None:
+        return [v.strip() for v in str(value).split(",")] if value else None
+
+    return split(params.get("method")), split(params.get("task"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", nargs="+", type=Path, default=[ROOT / "results" / "runs"])
+    parser.add_argument("--paper", type=Path, default=ROOT / "results" / "paper_numbers.csv")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "tables")
+    args = parser.parse_args()
+
+    results = load_results([p for p in args.results if p.exists()])
+    selected = select_on_dev(results) if len(results) else results
+    paper = load_paper_numbers(args.paper)
+    args.out.mkdir(parents=True, exist_ok=True)
+    experiments = sorted(set(paper["table"]) - {"memory"} | set(selected.get("experiment", [])))
+    for name in experiments:
+        methods, tasks = experiment_axes(name)
+        table = build_table(selected, paper, name, methods, tasks)
+        caption = f"{name}: test accuracy x100, mean (std) over seeds; dev-selected; † = diverged runs"
+        (args.out / f"{name}.md").write_text(f"# {caption}\n\n" + to_markdown(table))
+        (args.out / f"{name}.tex").write_text(to_latex(table, caption))
+        print(f"{name}: {len(table)} methods x {(len(table.columns) - 1) // 2} tasks -> {args.out / name}.md/.tex")
+    if len(selected):
+        selected.to_csv(args.out / "selected.csv", index=False)
+    print(f"{len(results)} result files, {len(selected)} selected cells")
+
+
+if __name__ == "__main__":
+    main()
