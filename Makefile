@@ -19,7 +19,7 @@ endif
 DEMO_ARGS ?= method=adazeta task=sst2 model=smollm2-135m train.max_steps=40 train.eval_every=20 \
              data.num_train=320 data.num_dev=100 data.num_eval=200
 
-.PHONY: help setup demo test test-fast dry-run tables figures cpu-convergence clean
+.PHONY: help setup demo test test-fast dry-run tables figures cpu-convergence bench-memory bench clean
 
 help:
 	@echo "make setup      create $(VENV) and install adazeta with its test extras"
@@ -30,6 +30,8 @@ help:
 	@echo "make tables     results/tables/*.md and *.tex from results/runs (dev-selected, paper numbers beside)"
 	@echo "make figures    results/figures/*.png: convergence curves and memory bars"
 	@echo "make cpu-convergence  the CPU reproduction: AdaZeta vs MeZO-LoRA vs MeZO on SmolLM2 (about 2 hours)"
+	@echo "make bench-memory     peak memory per method on SmolLM2, one batch of 16 SST-2 prompts (a few minutes)"
+	@echo "make bench      speed: forwards, ZO steps (sequential/batched queries), eval throughput, memory (~10 min CPU)"
 
 setup: $(VENV)/.installed
 
@@ -60,6 +62,14 @@ figures: setup
 
 cpu-convergence: setup
 	$(BIN)/adazeta-run -m experiment=cpu_convergence wandb.mode=offline
+
+bench-memory: setup
+	$(BIN)/python scripts/bench_memory.py
+
+# e.g. make bench BENCH_ARGS="--repeats 5"; on a GPU: BENCH_ARGS="--model llama-1b-random --dtype bf16"
+BENCH_ARGS ?=
+bench: setup
+	$(BIN)/python scripts/bench.py $(BENCH_ARGS)
 
 clean:
 	rm -rf outputs multirun .pytest_cache

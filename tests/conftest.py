@@ -56,6 +56,16 @@ def write_fixture_data(root: Path, n_train: int = 120, n_eval: int = 40, seed: i
                 label = rng.randint(0, 1)
                 word = "great" if label else "bad"
                 f.write(" ".join(rng.choices(WORDS, k=rng.randint(3, 8)) + [word]) + f"\t{label}\n")
+    # Masked LMs read SST-2 in the LM-BFF k-shot layout (16 per class, data seed 13: the data.k/kshot_seed defaults).
+    kshot = root / "lm-bff" / "k-shot" / "SST-2" / "16-13"
+    kshot.mkdir(parents=True, exist_ok=True)
+    for name, per_class in (("train.tsv", 16), ("dev.tsv", 16), ("test.tsv", n_eval // 2)):
+        rows = [
+            " ".join(rng.choices(WORDS, k=rng.randint(3, 8)) + [word]) + f"\t{label}"
+            for label, word in ((0, "bad"), (1, "great"))
+            for _ in range(per_class)
+        ]
+        (kshot / name).write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
     return root
 
 

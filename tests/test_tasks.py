@@ -24,6 +24,8 @@ def test_rte_template_and_candidates():
 def test_sst2_templates_for_both_families():
     s = spec("sst2")
     assert render(s, "causal", {"sentence": "fine film", "label": 1}, 1).prompt == "fine film It was"
+    # GLUE sentences end in a space: stripped, as MeZO does, so the prompt has no double space
+    assert render(s, "causal", {"sentence": "fine film ", "label": 1}, 1).prompt == "fine film It was"
     masked = render(s, "masked", {"sentence": "fine film", "label": 1}, 1, mask_token="<mask>")
     assert masked.prompt == "fine film It was <mask> ." and masked.candidates == ["terrible", "great"]
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from adazeta.adapters import ADAPTERS
+from adazeta.adapters.bottleneck import count_bottleneck_adapters
 from adazeta.adapters.tt import count_adapters
 from adazeta.models import build_meta_model, count_parameters
 
@@ -20,12 +21,23 @@ GIB = 2**30
 ESTIMATE_SEQ_LEN = 256  # tokens per training sequence assumed by the activation estimate
 
 
-def memory_estimate(s: "Settings", total: int, trainable: int, seq_len: int = ESTIMATE_SEQ_LEN) -> dict[str, float]:
-    """Training memory in GiB by part: weights, activations, gradients, optimizer state (rough, documented).
+def memory_estimate(
+    s: "Settings", total: int, trainable: int, seq_len: int = ESTIMATE_SEQ_LEN, largest: int = 0
+) -> dict[str, float]:
+    """Training memory in GiB by part: weights, activations, gradients, optimizer state, ZO noise (rough, documented).
 
     Activations for backward follow Korthikanti et al. (2022): per layer s*b*h*(34 + 5*a*s/h) bytes in 16-bit,
-    scaled to the backbone's dtype. A ZO or inference forward keeps only about two layers' worth at a time.
+    scaled to the backbone's dtype. First-order methods keep them for every layer even when only adapters or
+    LoRA train, since backward runs through the whole frozen network; a ZO or inference forward keeps only
+    about two layers' worth at a time (times ``query_chunk`` with batched queries, whose forward replicates the
+    minibatch). Trained backbone weights (ft, mezo) keep the backbone's dtype, adapters are fp32; gradients
+    and AdamW's two moments take the trained parameters' dtype. A ZO step adds one noise tensor shaped like the
+    largest trained parameter (``largest`` entries); Sparse-MeZO keeps a boolean mask.
     """
+    from adazeta.optim.first_order import AdamWConfig
+    from adazeta.optim.sparse_mezo import SparseZOSGDConfig
+    from adazeta.optim.zo_sgd import ZOSGDConfig
+
     arch = s.model.architecture or {}
     h = arch.get("hidden_size", 0)
     layers = arch.get("num_hidden_layers", 0)
@@ -33,16 +45,37 @@ def memory_estimate(s: "Settings", total: int, trainable: int, seq_len: int = ES
     width = torch.tensor([], dtype=s.model.torch_dtype).element_size()
     b = s.train.batch_size
     per_layer = seq_len * b * h * (34 + 5 * heads * seq_len / max(h, 1)) * width / 2
-    weights = total * width + trainable * (4 - width if s.adapter.kind != "full" else 0)
-    kind = s.optimizer.kind if s.optimizer else None
-    first_order = kind is not None and kind != "zo_sgd"
+    trained_width = width if s.adapter.kind == "full" else 4
+    weights = (total - trainable) * width + trainable * trained_width
+    cfg = s.optimizer.config if s.optimizer else None
+    zeroth_order = isinstance(cfg, ZOSGDConfig)
+    first_order = cfg is not None and not zeroth_order
     activations = per_layer * (layers if first_order else 2)
-    grads = trainable * 4 if first_order else 0
-    state = trainable * 8 if kind == "adamw" else 0
-    parts = {"weights": weights, "activations": activations, "gradients": grads, "optimizer_state": state}
+    if zeroth_order and getattr(cfg, "batched_queries", False):
+        activations *= cfg.query_chunk  # one forward over up to query_chunk copies of the minibatch
+    grads = trainable * trained_width if first_order else 0
+    state = 0
+    if isinstance(cfg, AdamWConfig):
+        state = trainable * 2 * trained_width  # exp_avg and exp_avg_sq
+    elif isinstance(cfg, SparseZOSGDConfig):
+        state = trainable  # one bool per entry
+    noise = largest * trained_width if zeroth_order else 0
+    parts = {
+        "weights": weights, "activations": activations, "gradients": grads, "optimizer_state": state, "zo_noise": noise,
+    }
     out = {k: round(v / GIB, 3) for k, v in parts.items()}
     out["total"] = round(sum(parts.values()) / GIB, 3)
     return out
+
+
+def largest_trainable(model: torch.nn.Module) -> int:
+    """Entries of the largest trainable tensor: the size of one ZO noise draw."""
+    return max((p.numel() for p in model.parameters() if p.requires_grad), default=0)
+
+
+def count_all_adapters(model: torch.nn.Module) -> int:
+    """TT and dense bottleneck adapters in ``model``."""
+    return count_adapters(model) + count_bottleneck_adapters(model)
 
 
 def dry_run(s: "Settings") -> dict[str, Any]:
@@ -54,8 +87,8 @@ def dry_run(s: "Settings") -> dict[str, Any]:
         "method": s.method,
         "total_params": total,
         "trainable_params": trainable,
-        "adapters": count_adapters(model),
-        "memory_estimate_gib": memory_estimate(s, total, trainable),
+        "adapters": count_all_adapters(model),
+        "memory_estimate_gib": memory_estimate(s, total, trainable, largest=largest_trainable(model)),
         "estimate_assumes": f"batch {s.train.batch_size} x {ESTIMATE_SEQ_LEN} tokens, {s.model.dtype} backbone",
     }
     print(f"model            {s.model.name} ({s.model.family}, {s.model.dtype})")

@@ -2,37 +2,56 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import nn
 
-from adazeta.scoring import Batch, candidate_scores, classification_loss
+from adazeta.scoring import Batch, candidate_scores, objective_loss
+
+if TYPE_CHECKING:
+    from adazeta.generation import GenerationSet
 
 
 @dataclass
 class EvalResult:
     loss: float
-    accuracy: float
+    accuracy: float  # the task's main metric: accuracy, or F1 of the generations for generation tasks
     n: int
+    metrics: dict[str, float] = field(default_factory=dict)  # generation tasks: f1 and em
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Sequence[Batch], family: str) -> EvalResult:
-    """Mean candidate cross-entropy and accuracy over pre-collated batches (already on the model's device)."""
+def evaluate(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    family: str,
+    objective: str = "classification",
+    generation: "GenerationSet | None" = None,
+) -> EvalResult:
+    """Mean loss (the task's objective) and accuracy over pre-collated batches (already on the model's device).
+
+    With ``generation`` (SQuAD, DROP) the accuracy is the F1 of greedy generations, and F1 / EM go to ``metrics``.
+    """
     was_training = model.training
     model.eval()
     loss_sum = correct = None
     n = 0
     for batch in batches:
         scores = candidate_scores(model, batch, family)
-        loss = classification_loss(scores, batch.gold, reduction="sum")
+        loss = objective_loss(scores, batch.gold, objective, reduction="sum")
         hits = (scores.argmax(dim=1) == batch.gold).sum()
         loss_sum = loss if loss_sum is None else loss_sum + loss
         correct = hits if correct is None else correct + hits
         n += batch.num_examples
+    metrics = {}
+    if generation is not None:
+        from adazeta.generation import generation_metrics
+
+        metrics = generation_metrics(model, generation)
     model.train(was_training)
     if n == 0:
         return EvalResult(float("nan"), float("nan"), 0)
-    return EvalResult(float(loss_sum) / n, float(correct) / n, n)  # the one sync point
+    accuracy = metrics["f1"] if generation is not None else float(correct) / n  # the one sync point
+    return EvalResult(float(loss_sum) / n, accuracy, n, metrics)

@@ -29,9 +29,11 @@ from adazeta.optim import OPTIMIZERS
 from adazeta.probe import ProbeConfig, linear_probe
 from adazeta.registry import make_config
 from adazeta.results import device_info, git_state, package_versions, read_result, write_result
+from adazeta.optim.batched import replica_sites
 from adazeta.schedules import SCHEDULES, mean_queries
-from adazeta.scoring import batches, encode
-from adazeta.tasks.loaders import DataConfig, load_task, local_files
+from adazeta.scoring import batches, encode, packing_supported
+from adazeta.tasks.loaders import DataConfig, check_data, load_task
+from adazeta.tasks.objectives import build_objective
 from adazeta.tasks.spec import TaskSpec
 from adazeta.tracking import DivergenceConfig, DivergenceMonitor, Tracker, WandbConfig, peak_memory_mb, reset_peak_memory
 from adazeta.train import TrainConfig, steps_per_epoch, train
@@ -120,7 +122,9 @@ def parse(cfg: DictConfig) -> Settings:
     if unknown:
         raise ConfigError(f"method {method['name']!r}: unknown key(s) {', '.join(unknown)}")
     if method.get("demonstrations") is not None:
-        settings.demonstrations = make_config(DemonstrationConfig, method["demonstrations"], where="method.demonstrations")
+        settings.demonstrations = make_config(
+            DemonstrationConfig, method["demonstrations"], where="method.demonstrations"
+        )
     if method.get("probe") is not None:
         settings.probe = make_config(ProbeConfig, method["probe"], where="method.probe")
     for key in ("demonstrations", "probe"):
@@ -128,8 +132,10 @@ def parse(cfg: DictConfig) -> Settings:
             raise ConfigError(f"method {method['name']!r}: method.{key} is training-free; set method.optimizer=null")
     if settings.demonstrations is not None and settings.probe is not None:
         raise ConfigError(f"method {method['name']!r}: choose method.demonstrations or method.probe, not both")
-    if settings.probe is not None and settings.task.metric != "accuracy":
-        raise ConfigError(f"method {method['name']!r}: a linear probe classifies; task {settings.task.name!r} is scored by {settings.task.metric}")
+    if settings.probe is not None and settings.task.objective == "generation":
+        raise ConfigError(
+            f"method {method['name']!r}: a linear probe classifies; task {settings.task.name!r} generates text"
+        )
     return settings
 
 
@@ -141,10 +147,14 @@ def preflight(s: Settings) -> None:
     if s.dry_run:
         return
     resolve_source(s.model)
-    if s.data.data_dir:
-        local_files(s.task, s.data.data_dir)
+    check_data(s.task, s.data, s.model.family)
     if s.optimizer is None and s.adapter.kind != "none":
         raise ConfigError(f"method {s.method!r} trains an adapter but has no optimizer; set method.optimizer")
+    if s.adapter.kind == "full" and s.optimizer and getattr(s.optimizer.config, "batched_queries", False):
+        raise ConfigError(
+            f"method {s.method!r}: method.optimizer.batched_queries=true needs an adapter method (tt, lora, "
+            f"bottleneck), not adapter.kind=full; set method.optimizer.batched_queries=false"
+        )
 
 
 def seed_everything(seed: int) -> None:
@@ -235,7 +245,13 @@ def execute(s: Settings, run_dir: Path) -> dict[str, Any]:
         if optimizer is not None and getattr(optimizer, "zeroth_order", False):
             per_epoch = steps_per_epoch(len(data.train), s.train.batch_size)
             record["mean_queries"] = mean_queries(schedule, per_epoch, s.train.max_steps)
+            record["zo"] = {k: getattr(optimizer, k, None) for k in ("estimator", "batched_queries", "query_chunk")}
+            if getattr(optimizer, "batched_queries", False):  # every trainable parameter must sit in a module that runs replicas
+                replica_sites(model, [p for _, p in named])
+        record["scoring_layout"] = "packed" if family == "causal" and packing_supported(model) else "rows"
         tags = [f"method:{s.method}", f"task:{s.task.name}", f"model:{s.model.name}"]
+        if s.experiment:
+            tags.append(f"experiment:{s.experiment}")
         tracker = Tracker(run_dir, s.wandb, f"{s.method}-{s.task.name}-s{s.seed}", s.raw, tags)
         if s.probe is not None:
             outcome, record["probe"] = linear_probe(
@@ -258,8 +274,12 @@ def execute(s: Settings, run_dir: Path) -> dict[str, Any]:
                 tok.pad_token_id,
                 getattr(tok, "mask_token_id", None),
                 s.seed,
+                objective=build_objective(s.task, data, enc, tok, s.model.max_length, s.train.eval_batch_size),
             )
+        for split, result in (("dev", outcome.best_dev), ("test", outcome.test)):
+            record.update({f"{split}_{k}": v for k, v in getattr(result, "metrics", {}).items()})  # f1, em
         record.update(
+            metric=s.task.metric,  # what the *_accuracy fields measure: accuracy, or F1 for generation tasks
             status=outcome.status,
             reason=outcome.reason,
             steps=outcome.steps,

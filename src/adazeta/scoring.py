@@ -4,15 +4,24 @@ Causal LMs (MeZO protocol, SPEC §6): a candidate's score is the mean log-probab
 prompt. The training loss is the cross-entropy over the candidates' scores. Masked LMs (LM-BFF): the score of a
 label word is its logit at the mask position; the loss is the cross-entropy over the label words.
 
-Two savings over scoring one full sequence per candidate, without changing any number:
-- candidates that are one token long share their prompt: one sequence per example, and every candidate is read
-  from the logits at the prompt's last position;
-- the vocabulary projection (and its log-softmax) runs only at the positions that are scored, not at every
-  position of every sequence.
+Savings over scoring one full sequence per candidate, none of which changes a number (tests/test_scoring.py):
+- the candidates of an example share its prompt, computed once. In the ``packed`` layout (causal LMs) an example
+  is one *unit*: its prompt, then each candidate's tokens but the last (the last is only predicted). A block
+  attention mask lets a candidate's tokens see the prompt and their own candidate's earlier tokens, nothing
+  else, and their position ids continue from the prompt's end, so each candidate sees exactly what it would see
+  as a sequence of its own. One-token candidates add no tokens at all: all are read at the prompt's last position;
+- units share rows (first fit, no row longer than the longest unit), so short prompts are not padded to the
+  longest one of the batch;
+- the vocabulary projection (and its log-softmax) runs only at the positions that are scored.
+
+The ``rows`` layout (one right-padded row per example, or per candidate when a candidate is longer than one
+token, and a plain padding mask) serves masked LMs and any model that cannot take a custom 4D attention mask
+with position ids (``packing_supported``); a packed batch falls back to it on its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -22,6 +31,14 @@ from torch import nn
 
 from adazeta.errors import ConfigError
 from adazeta.tasks.spec import Example
+
+LAYOUTS = ("packed", "rows")
+
+# Architectures whose forward in transformers 5.x takes a 4D attention mask as given together with explicit
+# position ids (checked against the plain computation in tests/test_scoring.py). Others use the rows layout.
+PACKED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "opt", "gpt2", "gpt_neox", "phi")
+# Attention kernels that honour an arbitrary mask; flash-attention kernels only know causal + padding masks.
+PACKED_ATTENTION = ("sdpa", "eager")
 
 
 @dataclass
@@ -34,12 +51,12 @@ class Encoded:
 
     @property
     def shared_prompt(self) -> bool:
+        """True when every candidate is one token, so that all are read at the prompt's last position."""
         return all(len(c) == 1 for c in self.candidates)
 
     def num_tokens(self) -> int:
-        if self.shared_prompt:
-            return len(self.prompt)
-        return sum(len(self.prompt) + len(c) for c in self.candidates)
+        """Tokens of the packed unit: the prompt once, then every candidate's tokens but its last."""
+        return len(self.prompt) + sum(len(c) - 1 for c in self.candidates)
 
 
 @dataclass
@@ -47,22 +64,87 @@ class Batch:
     """Packed rows plus the flat index of every scored token. Lives on one device."""
 
     input_ids: torch.Tensor  # (rows, T)
-    attention_mask: torch.Tensor  # (rows, T)
-    positions: torch.Tensor  # (N,) flat index row * T + t of the hidden state that predicts a scored token
+    attention_mask: torch.Tensor  # (rows, T) 1 on tokens, 0 on padding
+    # (P,) flat index row * T + t of each hidden state that predicts a scored token, each listed once: the
+    # candidates of a shared prompt are all read at its last position, which is projected to the vocabulary once.
+    positions: torch.Tensor
+    token_position: torch.Tensor  # (N,) for each scored token, its row in ``positions``
     targets: torch.Tensor  # (N,) the scored token ids
     token_candidate: torch.Tensor  # (N,) flat candidate index of each scored token
     candidate_length: torch.Tensor  # (C,) tokens per candidate (float, for the mean)
     candidate_slot: torch.Tensor  # (C,) example * max_candidates + j
     gold: torch.Tensor  # (B,)
     max_candidates: int
+    # Packed layout only (None in the rows layout):
+    position_ids: torch.Tensor | None = None  # (rows, T) position of each token within its own example
+    unit: torch.Tensor | None = None  # (rows, T) index of the example a token belongs to; -1 on padding
+    branch: torch.Tensor | None = None  # (rows, T) 0 on prompt tokens, j + 1 on candidate j's tokens
+    # Host-side copy of the examples, to lay them out again in rows for a model that cannot take packing.
+    items: tuple[Encoded, ...] | None = None
+    pad_id: int = 0
+    mask_id: int | None = None
 
     @property
     def num_examples(self) -> int:
         return int(self.gold.shape[0])
 
+    @property
+    def packed(self) -> bool:
+        return self.position_ids is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
     def to(self, device: torch.device) -> "Batch":
-        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        moved = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            moved[f.name] = v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
         return Batch(**moved)
+
+    def repeat(self, n: int) -> "Batch":
+        """The batch ``n`` times over, copy-major (rows of copy r first): one forward for n weight replicas.
+
+        Scores come out as (n * B, max_candidates), copy r's examples at rows r * B to (r + 1) * B - 1.
+        """
+        if n == 1:
+            return self
+        rows, width = self.input_ids.shape
+        dev = self.device
+
+        def shifted(index: torch.Tensor, step: int) -> torch.Tensor:
+            offsets = torch.arange(n, device=dev).repeat_interleave(index.numel()) * step
+            return index.repeat(n) + offsets
+
+        def tiled(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.repeat(n, 1)
+
+        return dataclasses.replace(
+            self,
+            input_ids=tiled(self.input_ids),
+            attention_mask=tiled(self.attention_mask),
+            positions=shifted(self.positions, rows * width),
+            token_position=shifted(self.token_position, self.positions.numel()),
+            targets=self.targets.repeat(n),
+            token_candidate=shifted(self.token_candidate, self.candidate_length.numel()),
+            candidate_length=self.candidate_length.repeat(n),
+            candidate_slot=shifted(self.candidate_slot, self.num_examples * self.max_candidates),
+            gold=self.gold.repeat(n),
+            position_ids=tiled(self.position_ids),
+            unit=tiled(self.unit),
+            branch=tiled(self.branch),
+            items=None if self.items is None else self.items * n,
+        )
+
+    def as_rows(self) -> "Batch":
+        """The same examples in the rows layout (for models without packing support), on the same device."""
+        if not self.packed:
+            return self
+        if self.items is None:
+            raise ValueError("this packed batch keeps no examples to lay out in rows; collate it again")
+        family = "causal"  # only causal batches are ever packed
+        return collate(self.items, family, self.pad_id, self.mask_id, layout="rows").to(self.device)
 
 
 def _encode_text(tokenizer: Any, text: str) -> list[int]:
@@ -103,48 +185,121 @@ def encode(examples: Sequence[Example], tokenizer: Any, family: str, max_length:
     return out
 
 
-def collate(items: Sequence[Encoded], family: str, pad_id: int, mask_id: int | None = None) -> Batch:
-    """Pack examples into right-padded rows and record which hidden state scores which candidate token."""
-    rows: list[list[int]] = []
-    scored: list[tuple[int, int, int, int]] = []  # (row, t, target token, flat candidate)
+def first_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of indices whose lengths sum to at most ``capacity`` (first fit, longest first; deterministic)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    return bins
+
+
+def collate(
+    items: Sequence[Encoded], family: str, pad_id: int, mask_id: int | None = None, layout: str = "packed"
+) -> Batch:
+    """Lay examples out in right-padded rows and record which hidden state scores which candidate token.
+
+    ``layout``: ``packed`` (causal LMs; masked LMs always use rows) or ``rows``; see the module docstring.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}; known: {', '.join(LAYOUTS)}")
+    max_c = max(len(e.candidates) for e in items)
     cand_len: list[int] = []
     cand_slot: list[int] = []
-    max_c = max(len(e.candidates) for e in items)
+    # Per example and candidate: the (row, t) of the hidden state predicting each of its tokens.
+    scored: list[tuple[int, int, int, int]] = []  # (row, t, target token, flat candidate)
+    rows: list[list[int]] = []
+    extra: list[tuple[list[int], list[int], list[int]]] = []  # packed: (position ids, unit, branch) per row
 
-    def add_candidate(i: int, j: int, tokens: list[tuple[int, int, int]]) -> None:
+    def add_candidate(i: int, j: int, cand: list[int], at: list[tuple[int, int]]) -> None:
         c = len(cand_len)
-        scored.extend((r, t, tok, c) for r, t, tok in tokens)
-        cand_len.append(len(tokens))
+        scored.extend((r, t, tok, c) for (r, t), tok in zip(at, cand))
+        cand_len.append(len(cand))
         cand_slot.append(i * max_c + j)
 
-    for i, ex in enumerate(items):
-        if family == "masked" or ex.shared_prompt:
-            r = len(rows)
-            rows.append(ex.prompt)
-            at = ex.prompt.index(mask_id) if family == "masked" else len(ex.prompt) - 1
+    if family == "causal" and layout == "packed":
+        placed: dict[int, tuple[int, int]] = {}  # example -> (row, start)
+        for members in first_fit([e.num_tokens() for e in items], max(e.num_tokens() for e in items)):
+            ids: list[int] = []
+            pos: list[int] = []
+            unit: list[int] = []
+            branch: list[int] = []
+            for i in members:
+                ex = items[i]
+                placed[i] = (len(rows), len(ids))
+                p = len(ex.prompt)
+                ids += ex.prompt
+                pos += range(p)
+                branch += [0] * p
+                for j, cand in enumerate(ex.candidates):
+                    ids += cand[:-1]
+                    pos += range(p, p + len(cand) - 1)
+                    branch += [j + 1] * (len(cand) - 1)
+                unit += [i] * (len(ids) - len(unit))
+            rows.append(ids)
+            extra.append((pos, unit, branch))
+        for i, ex in enumerate(items):  # example order, so that candidate indices do not depend on the packing
+            r, start = placed[i]
+            last_prompt = start + len(ex.prompt) - 1
+            offset = start + len(ex.prompt)
             for j, cand in enumerate(ex.candidates):
-                add_candidate(i, j, [(r, at, cand[0])])
-        else:
-            for j, cand in enumerate(ex.candidates):
+                # Token 0 is predicted at the prompt's last position, token k at candidate token k - 1.
+                at = [(r, last_prompt)] + [(r, offset + k) for k in range(len(cand) - 1)]
+                add_candidate(i, j, cand, at)
+                offset += len(cand) - 1
+    else:
+        for i, ex in enumerate(items):
+            if family == "masked" or ex.shared_prompt:
                 r = len(rows)
-                rows.append(ex.prompt + cand)
-                add_candidate(i, j, [(r, len(ex.prompt) + k - 1, tok) for k, tok in enumerate(cand)])
+                rows.append(ex.prompt)
+                at = ex.prompt.index(mask_id) if family == "masked" else len(ex.prompt) - 1
+                for j, cand in enumerate(ex.candidates):
+                    add_candidate(i, j, cand, [(r, at)])
+            else:
+                for j, cand in enumerate(ex.candidates):
+                    r = len(rows)
+                    rows.append(ex.prompt + cand)
+                    add_candidate(i, j, cand, [(r, len(ex.prompt) + k - 1) for k in range(len(cand))])
+
     width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
     for r, ids in enumerate(rows):
-        input_ids[r, : len(ids)] = torch.tensor(ids)
+        input_ids[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         attention_mask[r, : len(ids)] = 1
+    packed: dict[str, Any] = {}
+    if extra:
+        position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+        unit = torch.full((len(rows), width), -1, dtype=torch.long)
+        branch = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, (pos, un, br) in enumerate(extra):
+            position_ids[r, : len(pos)] = torch.tensor(pos, dtype=torch.long)
+            unit[r, : len(un)] = torch.tensor(un, dtype=torch.long)
+            branch[r, : len(br)] = torch.tensor(br, dtype=torch.long)
+        packed = dict(position_ids=position_ids, unit=unit, branch=branch, items=tuple(items))
+    read: dict[int, int] = {}  # flat position -> its row in `positions`, in first-read order
+    token_position = [read.setdefault(r * width + t, len(read)) for r, t, _, _ in scored]
     return Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        positions=torch.tensor([r * width + t for r, t, _, _ in scored], dtype=torch.long),
+        positions=torch.tensor(list(read), dtype=torch.long),
+        token_position=torch.tensor(token_position, dtype=torch.long),
         targets=torch.tensor([tok for _, _, tok, _ in scored], dtype=torch.long),
         token_candidate=torch.tensor([c for _, _, _, c in scored], dtype=torch.long),
         candidate_length=torch.tensor(cand_len, dtype=torch.float32),
         candidate_slot=torch.tensor(cand_slot, dtype=torch.long),
         gold=torch.tensor([e.gold for e in items], dtype=torch.long),
         max_candidates=max_c,
+        pad_id=pad_id,
+        mask_id=mask_id,
+        **packed,
     )
 
 
@@ -170,16 +325,57 @@ def lm_parts(model: nn.Module, family: str) -> tuple[nn.Module, nn.Module]:
     return base.base_model, head
 
 
+def packing_supported(model: nn.Module, max_position: int = 0) -> bool:
+    """Whether ``model`` scores the packed layout exactly: a known architecture, a mask-honouring attention
+    kernel, and no sliding window shorter than the packed positions (our mask replaces the window's)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if config is None or getattr(config, "model_type", None) not in PACKED_MODEL_TYPES:
+        return False
+    if getattr(config, "_attn_implementation", None) not in PACKED_ATTENTION:
+        return False
+    window = getattr(config, "sliding_window", None)
+    return window is None or max_position < window
+
+
+def block_attention_mask(batch: Batch, attention: str, dtype: torch.dtype) -> torch.Tensor:
+    """(rows, 1, T, T) mask of the packed layout: a token sees the earlier tokens of its own example's prompt
+    and of its own candidate. Boolean (True = attend) for sdpa; additive (0 / dtype min) for eager attention."""
+    unit, branch = batch.unit, batch.branch
+    width = unit.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=unit.device).tril_()
+    same_unit = (unit[:, :, None] == unit[:, None, :]) & (unit[:, None, :] >= 0)
+    same_branch = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
+    # Padding queries see themselves, so that no softmax row is empty (their outputs are never read).
+    allowed = (same_unit & same_branch & causal) | torch.eye(width, dtype=torch.bool, device=unit.device)
+    if attention == "sdpa":
+        return allowed[:, None]
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=unit.device)
+    return additive.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def _hidden_states(model: nn.Module, batch: Batch, family: str) -> tuple[torch.Tensor, nn.Module]:
+    backbone, head = lm_parts(model, family)
+    if not batch.packed:
+        out = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        return out.last_hidden_state, head
+    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    dtype = backbone.get_input_embeddings().weight.dtype
+    mask = block_attention_mask(batch, config._attn_implementation, dtype)
+    out = backbone(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids)
+    return out.last_hidden_state, head
+
+
 def candidate_scores(model: nn.Module, batch: Batch, family: str) -> torch.Tensor:
     """(B, max_candidates) scores: mean token log-likelihood (causal) or label-word logit (masked); -inf pads."""
-    backbone, head = lm_parts(model, family)
-    hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    if batch.packed and not packing_supported(model, batch.input_ids.shape[1]):
+        batch = batch.as_rows()
+    hidden, head = _hidden_states(model, batch, family)
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.positions)
-    logits = head(picked).float()  # the vocabulary projection, at scored positions only
-    if family == "masked":
-        token_scores = logits.gather(1, batch.targets[:, None]).squeeze(1)
-    else:
-        token_scores = torch.log_softmax(logits, dim=-1).gather(1, batch.targets[:, None]).squeeze(1)
+    logits = head(picked).float()  # the vocabulary projection, once per scored position
+    if family == "causal":
+        logits = torch.log_softmax(logits, dim=-1)
+    token_scores = logits[batch.token_position, batch.targets]
     num_c = batch.candidate_length.shape[0]
     sums = torch.zeros(num_c, device=logits.device).index_add_(0, batch.token_candidate, token_scores)
     means = sums / batch.candidate_length
@@ -193,5 +389,35 @@ def classification_loss(scores: torch.Tensor, gold: torch.Tensor, reduction: str
     return F.cross_entropy(scores, gold, reduction=reduction)
 
 
-def batch_loss(model: nn.Module, batch: Batch, family: str) -> torch.Tensor:
-    return classification_loss(candidate_scores(model, batch, family), batch.gold)
+def lm_loss(scores: torch.Tensor, gold: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Language-model loss of the gold candidate: minus its mean token log-likelihood (COPA, ReCoRD, SQuAD)."""
+    nll = -scores.gather(1, gold[:, None]).squeeze(1)
+    return nll if reduction == "none" else nll.sum() if reduction == "sum" else nll.mean()
+
+
+def objective_loss(
+    scores: torch.Tensor, gold: torch.Tensor, objective: str = "classification", reduction: str = "mean"
+) -> torch.Tensor:
+    """The task's loss (``TaskSpec.objective``): candidate cross-entropy, or the gold's LM loss (lm, generation)."""
+    if objective == "classification":
+        return classification_loss(scores, gold, reduction)
+    return lm_loss(scores, gold, reduction)
+
+
+def batch_loss(model: nn.Module, batch: Batch, family: str, objective: str = "classification") -> torch.Tensor:
+    return objective_loss(candidate_scores(model, batch, family), batch.gold, objective)
+
+
+def replica_losses(
+    model: nn.Module, batch: Batch, family: str, replicas: int, objective: str = "classification"
+) -> torch.Tensor:
+    """(replicas,) training losses from one forward over ``replicas`` copies of ``batch`` (``Batch.repeat``).
+
+    With per-replica weights installed in the model (``adazeta.optim.batched``), copy r's loss is the loss at
+    replica r's weights: the batched ZO estimator's objective. With one replica it is ``batch_loss``.
+    """
+    if replicas == 1:
+        return batch_loss(model, batch, family, objective).reshape(1)
+    scores = candidate_scores(model, batch.repeat(replicas), family)
+    per_example = objective_loss(scores, batch.gold.repeat(replicas), objective, reduction="none")
+    return per_example.view(replicas, batch.num_examples).mean(dim=1)

@@ -5,6 +5,7 @@ Read top to bottom. Everything it needs arrives as typed arguments; it never see
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -16,7 +17,9 @@ from tqdm.auto import tqdm
 
 from adazeta.errors import ConfigError
 from adazeta.evaluate import EvalResult, evaluate
-from adazeta.scoring import Batch, Encoded, batch_loss, collate
+from adazeta.optim.batched import ReplicaClosure
+from adazeta.scoring import Batch, Encoded, batch_loss, collate, replica_losses
+from adazeta.tasks.objectives import Objective, gold_only
 from adazeta.tracking import DivergenceMonitor, Tracker, peak_memory_mb, show_progress, sync
 
 
@@ -85,11 +88,22 @@ def train(
     pad_id: int,
     mask_id: int | None,
     seed: int,
+    objective: Objective | None = None,
 ) -> Outcome:
-    """Train for ``cfg.max_steps`` steps (none when ``optimizer`` is None) and evaluate the best-dev state."""
+    """Train for ``cfg.max_steps`` steps (none when ``optimizer`` is None) and evaluate the best-dev state.
+
+    ``objective`` is the task's (SPEC §6): classification by default; the LM loss (COPA, ReCoRD); generation
+    (SQuAD, DROP: scored by F1 of greedy generations, optionally trained on -F1 by ZO methods).
+    """
+    obj = objective or Objective()
+    if obj.zo_loss is not None and optimizer is not None and not getattr(optimizer, "zeroth_order", False):
+        raise ConfigError(
+            "task.f1_objective=true trains on the F1 of generated answers, which has no gradient: "
+            "use a zeroth-order method, or set task.f1_objective=false"
+        )
 
     def dev_eval(step: int) -> EvalResult:
-        result = evaluate(model, dev_batches, family)
+        result = evaluate(model, dev_batches, family, obj.kind, obj.dev_generation)
         tracker.log_eval(step, "dev", result.loss, result.accuracy)
         return result
 
@@ -109,16 +123,25 @@ def train(
             if slot == 0 and step > 1:
                 order = torch.randperm(len(train_items), generator=order_gen)
             chosen = [train_items[i] for i in order[slot * cfg.batch_size : (slot + 1) * cfg.batch_size].tolist()]
+            if obj.trains_on_gold_only:
+                chosen = gold_only(chosen)
             start = time.perf_counter()
             if zeroth_order:
                 n_queries = schedule(epoch)
                 batch = collate(chosen, family, pad_id, mask_id).to(device)
                 optimizer.n_queries = n_queries
-                loss = optimizer.step(lambda: batch_loss(model, batch, family))
+                if obj.zo_loss is not None:
+                    loss = optimizer.step(lambda: obj.zo_loss(model, chosen))
+                else:
+                    # A ReplicaClosure also lets a batched_queries optimizer score all perturbations at once.
+                    losses = functools.partial(replica_losses, model, batch, family, objective=obj.kind)
+                    loss = optimizer.step(ReplicaClosure(model, losses))
                 forward_passes = optimizer.forward_passes
             else:
                 n_queries = 0
-                loss = first_order_step(model, optimizer, chosen, cfg.grad_accum, family, pad_id, mask_id, device)
+                loss = first_order_step(
+                    model, optimizer, chosen, cfg.grad_accum, family, pad_id, mask_id, device, obj.kind
+                )
                 forward_passes += cfg.grad_accum
             loss_value = float(loss)  # one host sync per step, never per query
             sync(device)
@@ -156,7 +179,7 @@ def train(
         elif not cfg.keep_best:
             best_step = step
 
-    test = evaluate(model, test_batches, family)
+    test = evaluate(model, test_batches, family, obj.kind, obj.test_generation)
     tracker.log_eval(best_step, "test", test.loss, test.accuracy)
     return Outcome(status, reason, step, best_step, initial, best, test, forward_passes)
 
@@ -170,6 +193,7 @@ def first_order_step(
     pad_id: int,
     mask_id: int | None,
     device: torch.device,
+    objective: str = "classification",
 ) -> torch.Tensor:
     """One AdamW step; gradients of all ``grad_accum`` micro-batches are summed (each scaled by its share)."""
     model.train()
@@ -179,7 +203,7 @@ def first_order_step(
     for start in range(0, len(items), size):
         micro = items[start : start + size]
         batch = collate(micro, family, pad_id, mask_id).to(device)
-        loss = batch_loss(model, batch, family) * (len(micro) / len(items))
+        loss = batch_loss(model, batch, family, objective) * (len(micro) / len(items))
         loss.backward()
         total += loss.detach()
     clip = getattr(optimizer, "grad_clip", None)

@@ -11,3 +11,4 @@ ADAPTERS: Registry = Registry("adapter")
 
 # Importing the built-in adapters registers them.
 from adazeta.adapters import basic, lora, tt  # noqa: E402,F401
+from adazeta.adapters import bottleneck  # noqa: E402,F401

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -196,6 +196,18 @@ class TTLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return tt_matmul(x, list(self.cores), self.split) + self.bias
+
+    def forward_replicas(self, x: Tensor, weights: Mapping[str, Tensor]) -> Tensor:
+        """``forward`` with R weight replicas at once (the ``ReplicaForward`` protocol of ``adazeta.optim.batched``).
+
+        ``x``'s leading dimension holds R replica-major groups of rows; ``weights`` maps parameter names
+        (``cores.0``, ..., ``bias``) to (R, *shape) stacks; a name it lacks keeps the module's own parameter.
+        """
+        replicas = next(iter(weights.values())).shape[0]
+        cores = [weights.get(f"cores.{i}", core.expand(replicas, *core.shape)) for i, core in enumerate(self.cores)]
+        bias = weights.get("bias", self.bias.expand(replicas, -1))
+        y = tt_matmul(x.reshape(replicas, -1, x.shape[-1]), cores, self.split)  # (R, rows of one replica, out)
+        return (y + bias[:, None, :]).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, shape={self.shape}, rank={self.rank}"

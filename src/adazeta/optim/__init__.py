@@ -11,3 +11,4 @@ OPTIMIZERS: Registry = Registry("optimizer")
 
 # Importing the built-in optimizers registers them.
 from adazeta.optim import first_order, zo_sgd  # noqa: E402,F401
+from adazeta.optim import sparse_mezo  # noqa: E402,F401

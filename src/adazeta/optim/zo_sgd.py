@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
+from adazeta.optim.batched import estimate_batched
 from adazeta.optim.spsa import Masks, decay_groups, perturb_, projected_gradient, query_seed, zo_update_
+
+log = logging.getLogger("adazeta")
 
 Closure = Callable[[], torch.Tensor | float]
 
@@ -31,6 +35,12 @@ def _validate(where: str, lr: float, eps: float, weight_decay: float, reduction:
         raise ConfigError(f"{where}estimator={estimator!r} must be one of {', '.join(ESTIMATORS)}")
 
 
+def _check_chunk(where: str, query_chunk: Any) -> int:
+    if isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
+        raise ConfigError(f"{where}query_chunk={query_chunk!r} must be an int >= 1 (loss evaluations per forward)")
+    return query_chunk
+
+
 def _check_queries(n_queries: Any) -> int:
     if isinstance(n_queries, bool) or not isinstance(n_queries, int) or n_queries < 1:
         raise ConfigError(f"ZOSGD n_queries={n_queries!r} must be an int >= 1")
@@ -46,8 +56,11 @@ class ZOSGD(torch.optim.Optimizer):
 
     The directions are never stored: query q of step k draws z from ``query_seed(seed, k, q)``. The step is
     split in two: ``_estimate`` evaluates the perturbed losses and returns the projected gradients, and
-    ``zo_update_`` applies them. A batched estimator (all Q perturbations in one forward) or a distributed one
-    (queries spread over ranks, projected gradients all-gathered) overrides ``_estimate`` only.
+    ``zo_update_`` applies them. With ``batched_queries`` (adapter methods) and a closure that can evaluate
+    weight replicas (``adazeta.optim.batched.ReplicaClosure``), the losses come from batched forwards of at most
+    ``query_chunk`` perturbed copies each, with the same z and the same projected gradients; a plain closure
+    falls back to one forward per loss. ``forward_passes`` counts loss evaluations either way. A distributed
+    estimator (queries spread over ranks, projected gradients all-gathered) overrides ``_estimate`` only.
     """
 
     zeroth_order = True
@@ -62,8 +75,13 @@ class ZOSGD(torch.optim.Optimizer):
         n_queries: int = 1,
         reduction: str = "mean",
         estimator: str = "central",
+        batched_queries: bool = False,
+        query_chunk: int = 4,
     ):
         _validate("ZOSGD ", lr, eps, weight_decay, reduction, estimator)
+        self.batched_queries = bool(batched_queries)
+        self.query_chunk = _check_chunk("ZOSGD ", query_chunk)
+        self._warned_sequential = False
         if seed < 0:
             raise ConfigError(f"ZOSGD seed={seed!r} must be >= 0")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
@@ -117,6 +135,12 @@ class ZOSGD(torch.optim.Optimizer):
         Leaves the parameters as it found them (up to rounding). Queries run one after another here; override
         this method to batch them or to spread them over ranks.
         """
+        if self.batched_queries:
+            if callable(getattr(closure, "replicated", None)):
+                return estimate_batched(closure, params, seeds, self.eps, self.estimator, self.query_chunk, masks)
+            if not self._warned_sequential:  # e.g. a generation objective: nothing to replicate
+                log.warning("batched_queries=true, but this closure cannot evaluate weight replicas: sequential")
+                self._warned_sequential = True
         eps = self.eps
         losses: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
@@ -180,9 +204,15 @@ class ZOSGDConfig:
     weight_decay: float = 0.0  # applied to weights only, never to biases or norms
     reduction: str = "mean"  # mean: reference code's 1/Q; sum: paper slides' plain sum (step grows with Q)
     estimator: str = "central"  # central: 2Q forwards; one_sided: Q + 1 forwards, biased by O(eps)
+    # true: a step's perturbed losses come from batched forwards over a replicated minibatch, each copy with its
+    # own perturbed adapter weights (adapter methods only: TT, LoRA, dense adapters); same gradients, fewer
+    # and larger forwards. false: one forward per loss, as the reference code.
+    batched_queries: bool = False
+    query_chunk: int = 4  # batched: at most this many loss evaluations per forward (memory grows with it)
 
     def __post_init__(self) -> None:
         _validate("optimizer.", self.lr, self.eps, self.weight_decay, self.reduction, self.estimator)
+        _check_chunk("optimizer.", self.query_chunk)
 
 
 @OPTIMIZERS.register("zo_sgd", ZOSGDConfig)
@@ -195,4 +225,6 @@ def build_zo_sgd(named_params: Iterable[tuple[str, torch.Tensor]], cfg: ZOSGDCon
         seed=seed,
         reduction=cfg.reduction,
         estimator=cfg.estimator,
+        batched_queries=cfg.batched_queries,
+        query_chunk=cfg.query_chunk,
     )

@@ -1,37 +1,57 @@
-"""Load task splits from the Hub (through ``datasets``) or from local files, and sample them (SPEC §6)."""
+"""Load task splits from the Hub (through ``datasets``) or from local files, and sample them (SPEC §6).
+
+Two protocols, picked by the model's family:
+
+- causal (MeZO): ``num_train`` + ``num_dev`` examples drawn (seeded) from the train split, ``num_eval`` from the
+  validation split;
+- masked (LM-BFF, Gao et al. 2021): k examples per class for train and k more for dev, with one of the data seeds
+  13, 21, 42, 87, 100; the test set is the original dev/test set sub-sampled to ``num_eval`` (1,000). Local data
+  is the standard ``k-shot/<TASK>/<k>-<seed>/`` layout, read as is; from the Hub the same sampling is redone.
+
+Local files name their rows ``file:line`` in every error; labels are normalised to indices.
+"""
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from adazeta.errors import ConfigError
-from adazeta.tasks.spec import Example, TaskSpec, render
+from adazeta.tasks.hooks import FLATTENERS
+from adazeta.tasks.spec import Example, HubSource, LocalSource, TaskSpec, render
+
+log = logging.getLogger("adazeta")
 
 DATA_DIR_ENV = "ADAZETA_DATA_DIR"
-FORMATS = ("jsonl", "tsv")
+KSHOT_SEEDS = (13, 21, 42, 87, 100)  # LM-BFF's five data seeds
 
 
 @dataclass
 class DataConfig:
     """How many examples to sample, with which seed, from where. ``dir`` (or $ADAZETA_DATA_DIR) = offline."""
 
-    num_train: int = 1000
-    num_dev: int = 500
-    num_eval: int = 1000
-    seed: int | None = None  # data sampling seed; defaults to the run seed
+    num_train: int = 1000  # causal protocol: train examples sampled from the train split
+    num_dev: int = 500  # causal protocol: dev examples, from the rest of the train split
+    num_eval: int = 1000  # test examples sampled from the validation split (both protocols)
+    seed: int | None = None  # causal protocol: data sampling seed; defaults to the run seed
     dir: str | None = None  # local data directory; unset = download from the Hub
+    k: int = 16  # masked (LM-BFF) protocol: examples per class, for train and again for dev
+    kshot_seed: int = 13  # masked protocol: data seed, one of 13, 21, 42, 87, 100 for the LM-BFF splits
 
     def __post_init__(self) -> None:
-        for name in ("num_train", "num_dev", "num_eval"):
+        for name in ("num_train", "num_dev", "num_eval", "k"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"data.{name}={getattr(self, name)} must be >= 1")
+        if self.kshot_seed < 0:
+            raise ConfigError(f"data.kshot_seed={self.kshot_seed} must be >= 0 (LM-BFF uses {KSHOT_SEEDS})")
 
     @property
     def data_dir(self) -> str | None:
@@ -46,57 +66,153 @@ class TaskData:
     source: str  # "hub:<id>" or "local:<folder>"
 
 
-def local_files(spec: TaskSpec, data_dir: str) -> dict[str, list[Path]]:
+# --------------------------------------------------------------------------------------------------------------
+# Local files
+
+
+def _split_files(local: LocalSource, split: str) -> tuple[str, list[str]]:
+    """(folder under the data directory, file names) of a split."""
+    if split == "train":
+        return local.train_dir or local.dir, local.train
+    return local.dir, local.dev if split == "dev" else local.eval
+
+
+def local_files(
+    spec: TaskSpec,
+    data_dir: str,
+    family: str = "causal",
+    k: int = 16,
+    kshot_seed: int = 13,
+    splits: Sequence[str] = ("train", "dev", "eval"),
+) -> dict[str, list[Path]]:
     """The local files of each split, checked to exist (one line naming the missing path and the fix)."""
-    if spec.local is None:
+    _, local = spec.sources(family)
+    if local is None:
         raise ConfigError(
             f"task {spec.name!r} has no local data layout; unset {DATA_DIR_ENV} (and data.dir) to load it from the Hub"
         )
-    if spec.local.format not in FORMATS:
-        raise ConfigError(f"task {spec.name!r}: local.format={spec.local.format!r} is not one of {', '.join(FORMATS)}")
-    folder = Path(data_dir).expanduser() / spec.local.dir
-    files = {"train": [folder / f for f in spec.local.train], "eval": [folder / f for f in spec.local.eval]}
-    for paths in files.values():
-        for path in paths:
-            if not path.is_file():
+    base = Path(data_dir).expanduser()
+    hint = local.note or (
+        f"point {DATA_DIR_ENV} (or data.dir) at the folder that holds {local.dir}/, "
+        f"or unset it to download {spec.name} from the Hub"
+    )
+    files: dict[str, list[Path]] = {}
+    for split in splits:
+        folder, names = _split_files(local, split)
+        root = base / folder
+        if local.kshot:
+            root = root / f"{k}-{kshot_seed}"
+            if not root.is_dir():
+                have = sorted(p.name for p in (base / folder).glob("*-*") if p.is_dir())
                 raise ConfigError(
-                    f"data file not found: {path}; point {DATA_DIR_ENV} (or data.dir) at the folder that holds "
-                    f"{spec.local.dir}/, or unset it to download {spec.name} from the Hub"
+                    f"no LM-BFF split {root}; available: {', '.join(have) or 'none'}; set data.k and "
+                    f"data.kshot_seed to one of them, or unset {DATA_DIR_ENV} to sample it from the Hub"
                 )
+        files[split] = [root / name for name in names]
+        for path in files[split]:
+            if not path.is_file():
+                raise ConfigError(f"data file not found: {path}; {hint}")
+    if not all(files[s] for s in splits if s != "dev"):
+        raise ConfigError(f"task {spec.name!r}: local.train and local.eval must each name at least one file")
     return files
 
 
-def read_jsonl(path: Path, required: list[str]) -> list[dict[str, Any]]:
+def check_data(spec: TaskSpec, data: DataConfig, family: str) -> None:
+    """Start-up checks that need no model: the task has the family's format, and its local files exist."""
+    _, local = spec.sources(family)  # refuses a task without the family's prompt format
+    if data.data_dir and local is not None:  # without a local layout the Hub serves the task (SQuAD, DROP)
+        local_files(spec, data.data_dir, family, data.k, data.kshot_seed)
+
+
+def _rename(row: dict[str, Any], rename: dict[str, str]) -> dict[str, Any]:
+    return {rename.get(k, k): v for k, v in row.items()} if rename else row
+
+
+def _check_required(row: dict[str, Any], required: Sequence[str], where: str, expected: str) -> None:
+    missing = [k for k in required if k not in row]
+    if missing:
+        raise ConfigError(f"{where}: missing field {missing[0]!r}; expected {expected}")
+
+
+def read_jsonl(
+    path: Path, required: Sequence[str], flatten: str | None = None, rename: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """JSON lines; ``flatten`` turns one nested line into several rows (MultiRC: one row per answer)."""
+    flattener = FLATTENERS.get(flatten).builder if flatten else None
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg}); expected one JSON object per line") from None
-            missing = [k for k in required if k not in row]
-            if missing:
-                raise ConfigError(f"{path}:{lineno}: missing field {missing[0]!r}; expected fields {', '.join(required)}")
+                raise ConfigError(f"{where}: not valid JSON ({e.msg}); expected one JSON object per line") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{where}: a JSON {type(row).__name__}; expected one JSON object per line")
+            for item in flattener(row, where) if flattener else [row]:
+                item = _rename(item, rename or {})
+                _check_required(item, required, where, f"fields {', '.join(required)}")
+                item["_where"] = where
+                rows.append(item)
+    return rows
+
+
+def read_table(
+    path: Path,
+    required: Sequence[str],
+    delimiter: str = "\t",
+    columns: Sequence[str] | None = None,
+    ragged: bool = False,
+    rename: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """TSV (GLUE, LM-BFF: no quoting) or CSV (LM-BFF's sst-5/mr/cr/trec: quoted, no header).
+
+    With ``columns`` the file has no header row. ``ragged``: a row may hold more values than the header names,
+    before the last column (SNLI lists up to five annotator labels; the gold label is always last).
+    """
+    rows = []
+    quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
+        first = 1
+        header = list(columns) if columns else next(reader, None)
+        if not columns:
+            first = 2
+            names = [rename.get(h, h) for h in header] if header and rename else header
+            if header is None or any(k not in (names or []) for k in required):
+                raise ConfigError(
+                    f"{path}:1: header {header} lacks one of {', '.join(required)}; expected a header row"
+                )
+        for lineno, values in enumerate(reader, first):
+            if not values:
+                continue
+            n = len(header)
+            if len(values) != n and not (ragged and len(values) > n):
+                raise ConfigError(f"{path}:{lineno}: {len(values)} columns, expected {n} ({', '.join(header)})")
+            if len(values) > n:
+                values = values[: n - 1] + values[-1:]
+            row = _rename(dict(zip(header, values)), rename or {})
+            _check_required(row, required, f"{path}:{lineno}", f"columns {', '.join(required)}")
+            row["_where"] = f"{path}:{lineno}"
             rows.append(row)
     return rows
 
 
-def read_tsv(path: Path, required: list[str]) -> list[dict[str, Any]]:
-    rows = []
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        header = next(reader, None)
-        if header is None or any(k not in header for k in required):
-            raise ConfigError(f"{path}:1: header {header} lacks one of {', '.join(required)}; expected a TSV header row")
-        for lineno, values in enumerate(reader, 2):
-            if not values:
-                continue
-            if len(values) != len(header):
-                raise ConfigError(f"{path}:{lineno}: {len(values)} columns, expected {len(header)} ({', '.join(header)})")
-            rows.append(dict(zip(header, values)))
-    return rows
+def read_tsv(path: Path, required: Sequence[str]) -> list[dict[str, Any]]:
+    return read_table(path, required)
+
+
+def read_local(path: Path, local: LocalSource, required: Sequence[str]) -> list[dict[str, Any]]:
+    if local.format == "jsonl":
+        return read_jsonl(path, required, local.flatten, local.rename)
+    delimiter = "\t" if local.format == "tsv" else ","
+    return read_table(path, required, delimiter, local.columns, local.ragged, local.rename)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Rows of one split, from either source
 
 
 def _coerce_label(value: Any) -> Any:
@@ -106,30 +222,121 @@ def _coerce_label(value: Any) -> Any:
     return value
 
 
-def load_rows(spec: TaskSpec, split: str, data_dir: str | None) -> tuple[list[dict[str, Any]], str]:
-    """Rows of ``split`` (train or eval) with labels normalised to indices under the key ``label``."""
-    required = list(spec.text_fields) + [spec.label_field]
-    if data_dir:
-        rows: list[dict[str, Any]] = []
-        reader = read_jsonl if spec.local.format == "jsonl" else read_tsv  # type: ignore[union-attr]
-        paths = local_files(spec, data_dir)[split]
-        for path in paths:
-            rows.extend(reader(path, required))
-        where = ", ".join(str(p) for p in paths)
-        source = f"local:{Path(data_dir).expanduser() / spec.local.dir}"  # type: ignore[union-attr]
-    else:
-        if spec.hub is None:
-            raise ConfigError(f"task {spec.name!r} has no Hub source; set {DATA_DIR_ENV} to a local data folder")
-        import datasets
+def _all_int(values: Sequence[Any]) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
-        hub_split = spec.hub.train_split if split == "train" else spec.hub.eval_split
-        ds = datasets.load_dataset(spec.hub.path, spec.hub.name, split=hub_split)
-        rows = [dict(r) for r in ds]
-        where = f"{spec.hub.path}/{spec.hub.name or ''}:{hub_split}"
-        source = f"hub:{spec.hub.path}/{spec.hub.name or ''}"
-    for i, row in enumerate(rows):
-        row["label"] = spec.label_index(_coerce_label(row[spec.label_field]), f"{where} row {i}")
-    return rows, source
+
+class Rows:
+    """One split before sampling. A Hub split stays in Arrow until :meth:`take` (ReCoRD has 100k passages)."""
+
+    def __init__(self, spec: TaskSpec, where: str, source: str, rows: list[dict[str, Any]] | None = None,
+                 dataset: Any = None, label_names: list[str] | None = None):
+        self.spec, self.where, self.source = spec, where, source
+        self._rows, self._dataset = rows, dataset
+        # Hub ClassLabel names turn an index into its name when the task's labels are names: GLUE's MNLI index 0 is
+        # "entailment" but the task lists "contradiction" first (LM-BFF's order).
+        self._names = label_names if label_names and not _all_int(spec.labels) else None
+
+    def __len__(self) -> int:
+        return len(self._rows) if self._rows is not None else len(self._dataset)
+
+    def _label(self, value: Any, where: str) -> int:
+        if self._names is not None and isinstance(value, int) and not isinstance(value, bool):
+            if 0 <= value < len(self._names):
+                value = self._names[value]
+        return self.spec.label_index(_coerce_label(value), where)
+
+    def _where(self, row: dict[str, Any], i: int) -> str:
+        return row.get("_where") or f"{self.where} row {i}"
+
+    def labels(self) -> list[int]:
+        """The label index of every row (k-shot sampling needs them all)."""
+        field = self.spec.label_field
+        if field is None:
+            raise ConfigError(f"task {self.spec.name!r} has no label_field, so it cannot be sampled per class")
+        if self._rows is not None:
+            return [self._label(r[field], self._where(r, i)) for i, r in enumerate(self._rows)]
+        return [self._label(v, f"{self.where} row {i}") for i, v in enumerate(self._dataset[field])]
+
+    def take(self, idx: Sequence[int]) -> list[dict[str, Any]]:
+        """The rows at ``idx``, with their label normalised to an index under ``label``."""
+        idx = [int(i) for i in idx]
+        if self._rows is not None:
+            rows = [dict(self._rows[i]) for i in idx]
+        else:
+            rows = self._dataset.select(idx).to_list() if idx else []
+        if self.spec.label_field is not None:
+            for i, row in zip(idx, rows):
+                row["label"] = self._label(row[self.spec.label_field], self._where(row, i))
+        return rows
+
+
+def _required(spec: TaskSpec) -> list[str]:
+    return list(spec.text_fields) + ([spec.label_field] if spec.label_field else [])
+
+
+def local_rows(spec: TaskSpec, local: LocalSource, paths: Sequence[Path]) -> Rows:
+    rows: list[dict[str, Any]] = []
+    for path in paths:
+        rows.extend(read_local(path, local, _required(spec)))
+    where = ", ".join(str(p) for p in paths)
+    return Rows(spec, where, f"local:{paths[0].parent}" if paths else "local", rows=rows)
+
+
+def hub_rows(spec: TaskSpec, hub: HubSource, split: str, offline_hint: str = "") -> Rows:
+    """A Hub split through ``datasets`` (parquet/json repos: no loading scripts), columns renamed to the task's."""
+    import datasets
+
+    dataset_id = hub.path + (f"/{hub.name}" if hub.name else "")
+    where = f"{dataset_id}:{split}"
+    try:
+        ds = datasets.load_dataset(hub.path, hub.name, split=split, revision=hub.revision)
+    except Exception as err:  # network, unknown id, missing split: one line, with the way out
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ConfigError(
+            f"could not load {where} from the Hub ({type(err).__name__}: {reason[:200]}); check the dataset id "
+            f"and your connection{offline_hint}"
+        ) from None
+    renames = {k: v for k, v in hub.rename.items() if k in ds.column_names and k != v}
+    if renames:
+        ds = ds.rename_columns(renames)
+    missing = [k for k in _required(spec) if k not in ds.column_names]
+    if missing:
+        raise ConfigError(f"{where}: no column {missing[0]!r} (columns: {', '.join(ds.column_names)}); "
+                          "map it with the source's `rename`")
+    if hub.drop_labels:
+        drop = set(hub.drop_labels)
+        ds = ds.filter(lambda v: v not in drop, input_columns=spec.label_field)
+    names = getattr(ds.features.get(spec.label_field), "names", None) if spec.label_field else None
+    return Rows(spec, where, f"hub:{dataset_id}", dataset=ds, label_names=names)
+
+
+def split_rows(spec: TaskSpec, family: str, split: str, data: DataConfig) -> Rows:
+    """The rows of ``split`` (train, dev or eval) from local files when a data directory is set, else the Hub."""
+    hub, local = spec.sources(family)
+    if data.data_dir and local is not None:
+        paths = local_files(spec, data.data_dir, family, data.k, data.kshot_seed, splits=(split,))[split]
+        return local_rows(spec, local, paths)
+    if hub is None:
+        raise ConfigError(f"task {spec.name!r} has no Hub source; set {DATA_DIR_ENV} to a local data folder")
+    if data.data_dir:
+        log.info("task %s has no local layout for %s models: loading it from the Hub", spec.name, family)
+    if split == "dev":
+        raise ValueError("Hub sources have no fixed dev split; dev is sampled from train")
+    hint = f", or set {DATA_DIR_ENV} to a folder with local copies" if local is not None else ""
+    return hub_rows(spec, hub, hub.train_split if split == "train" else hub.eval_split, hint)
+
+
+def load_rows(
+    spec: TaskSpec, split: str, data_dir: str | None, family: str = "causal", k: int = 16, kshot_seed: int = 13
+) -> tuple[list[dict[str, Any]], str]:
+    """Every row of ``split`` with labels normalised to indices under the key ``label``."""
+    rows = split_rows(spec, family, split, DataConfig(dir=data_dir, k=k, kshot_seed=kshot_seed))
+    return rows.take(range(len(rows))), rows.source
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sampling
 
 
 def sample_indices(n: int, k: int, rng: np.random.RandomState) -> np.ndarray:
@@ -137,24 +344,64 @@ def sample_indices(n: int, k: int, rng: np.random.RandomState) -> np.ndarray:
     return rng.permutation(n)[: min(k, n)]
 
 
+def split_sizes(n: int, num_train: int, num_dev: int) -> tuple[int, int]:
+    """(train, dev) sizes carved from a train split of n rows (MeZO: dev keeps its size, train takes the rest).
+
+    COPA (400 rows, 100 dev) trains on 300; a dev set never takes more than half a small split (FewGLUE's 32).
+    """
+    if n < 2:
+        raise ConfigError(f"the train split has {n} rows; at least 2 are needed (one to train, one for dev)")
+    n_dev = min(num_dev, n // 2)
+    return min(num_train, n - n_dev), n_dev
+
+
+def kshot_indices(labels: Sequence[int], k: int, seed: int) -> tuple[list[int], list[int]]:
+    """LM-BFF's k-shot sampling: shuffle with ``seed``, then per class the first k rows train, the next k dev."""
+    order = np.random.RandomState(seed).permutation(len(labels))
+    per_class: dict[int, list[int]] = defaultdict(list)
+    for i in order:
+        per_class[labels[i]].append(int(i))
+    classes = sorted(per_class)
+    return [i for c in classes for i in per_class[c][:k]], [i for c in classes for i in per_class[c][k : 2 * k]]
+
+
+def describe_source(train: Rows, test: Rows) -> str:
+    """Where the data came from, for the result record; both places when train and test differ (BoolQ offline)."""
+    return train.source if train.source == test.source else f"{train.source} (test: {test.source})"
+
+
 def load_task(spec: TaskSpec, data: DataConfig, family: str, seed: int, mask_token: str | None = None) -> TaskData:
-    """MeZO protocol (SPEC §6): num_train + num_dev sampled from train, num_eval from validation, seeded."""
+    """The train, dev and test examples of the family's protocol (SPEC §6), rendered with its template."""
+
+    def make(rows: Rows, idx: Sequence[int]) -> list[Example]:
+        return [render(spec, family, r, r.get("label", 0), mask_token) for r in rows.take(idx)]
+
+    if family == "masked":
+        return _load_kshot(spec, data, make)
     data_seed = seed if data.seed is None else data.seed
-    num_dev = spec.num_dev or data.num_dev
-    train_rows, source = load_rows(spec, "train", data.data_dir)
-    eval_rows, _ = load_rows(spec, "eval", data.data_dir)
+    train_rows = split_rows(spec, family, "train", data)
+    eval_rows = split_rows(spec, family, "eval", data)
     rng = np.random.RandomState(data_seed)
     order = rng.permutation(len(train_rows))
-    if len(order) < 2:
-        raise ConfigError(f"task {spec.name!r}: the train split has {len(order)} rows; at least 2 are needed")
-    # Keep at least one dev example even when the train split is small (e.g. 32-example FewGLUE files).
-    n_dev = min(num_dev, max(1, len(order) - data.num_train))
-    train_idx, dev_idx = order[: len(order) - n_dev][: data.num_train], order[len(order) - n_dev :]
-    if len(order) >= data.num_train + num_dev:
-        train_idx, dev_idx = order[: data.num_train], order[data.num_train : data.num_train + num_dev]
+    n_train, n_dev = split_sizes(len(order), data.num_train, spec.num_dev or data.num_dev)
+    train_idx, dev_idx = order[:n_train], order[n_train : n_train + n_dev]
     eval_idx = sample_indices(len(eval_rows), data.num_eval, rng)
+    train, dev, test = make(train_rows, train_idx), make(train_rows, dev_idx), make(eval_rows, eval_idx)
+    return TaskData(train, dev, test, describe_source(train_rows, eval_rows))
 
-    def make(rows: list[dict[str, Any]], idx: np.ndarray) -> list[Example]:
-        return [render(spec, family, rows[i], rows[i]["label"], mask_token) for i in idx]
 
-    return TaskData(make(train_rows, train_idx), make(train_rows, dev_idx), make(eval_rows, eval_idx), source)
+def _load_kshot(spec: TaskSpec, data: DataConfig, make: Any) -> TaskData:
+    """LM-BFF protocol: the k-shot folder as is, or k per class sampled from the Hub (or original local files)."""
+    _, local = spec.sources("masked")
+    seed = data.kshot_seed
+    train_rows = split_rows(spec, "masked", "train", data)
+    if data.data_dir and local is not None and local.kshot:
+        dev_rows = split_rows(spec, "masked", "dev", data)
+        train_idx, dev_idx = list(range(len(train_rows))), list(range(len(dev_rows)))
+    else:
+        dev_rows = train_rows
+        train_idx, dev_idx = kshot_indices(train_rows.labels(), data.k, seed)
+    eval_rows = split_rows(spec, "masked", "eval", data)
+    eval_idx = sample_indices(len(eval_rows), data.num_eval, np.random.RandomState(seed))
+    train, dev, test = make(train_rows, train_idx), make(dev_rows, dev_idx), make(eval_rows, eval_idx)
+    return TaskData(train, dev, test, describe_source(train_rows, eval_rows))

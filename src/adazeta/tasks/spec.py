@@ -1,10 +1,18 @@
-"""Task specs are data: dataset sources, label order, templates and candidates (SPEC §6).
+"""Task specs are data: dataset sources, label order, templates, candidates and the training objective (SPEC §6).
 
-A spec comes from ``conf/task/<name>.yaml``. It holds one prompt format per model family: ``causal`` (the MeZO
-protocol: a prompt and candidate continuations scored by length-normalised log-likelihood) and ``masked``
-(the LM-BFF protocol: a template with the mask token, scored by the label words' logits at the mask).
-Templates that need code (COPA, ReCoRD, ...) name a hook registered in :data:`HOOKS`. Bump ``version``
-whenever a template or a candidate changes: it is recorded with every result.
+A spec comes from ``conf/task/<name>.yaml``. One task name serves both model families:
+
+- ``causal`` is the MeZO protocol: a prompt and candidate continuations scored by their length-normalised
+  log-likelihood; data from ``hub`` / ``local`` (SuperGLUE, GLUE), sampled 1,000 train / 500 dev / 1,000 test;
+- ``masked`` is the LM-BFF protocol: a template holding the model's mask token, scored by the label words'
+  logits at the mask; data from ``masked_data`` (the LM-BFF k-shot layout locally, or k per class sampled from
+  the Hub).
+
+Every source maps its columns onto the task's own field names (``rename``), so one template fits all sources.
+Templates fill ``{field}`` placeholders; ``{field|filter}`` applies a filter from :data:`FILTERS` (e.g.
+``{question|upper_first}``). Templates that need more than that (COPA, ReCoRD, SQuAD, DROP) name a hook
+registered in :data:`HOOKS` (``adazeta.tasks.hooks``). Bump ``version`` whenever a template, a candidate or a
+protocol changes: it is recorded with every result.
 """
 
 from __future__ import annotations
@@ -17,29 +25,69 @@ from adazeta.errors import ConfigError
 from adazeta.registry import Registry
 
 METRICS = ("accuracy", "f1")
+# classification: cross-entropy over the candidates' scores; lm: the language-model loss of the gold candidate
+# (COPA, ReCoRD); generation: lm loss for training, greedy generation scored by F1 / exact match (SQuAD, DROP).
+OBJECTIVES = ("classification", "lm", "generation")
+LOCAL_FORMATS = ("jsonl", "tsv", "csv")
+FAMILIES = ("causal", "masked")
 
 
 @dataclass
 class HubSource:
-    path: str  # dataset id that loads without a loading script (parquet), e.g. nyu-mll/glue
+    """A dataset on the Hugging Face Hub that loads without a loading script (parquet or json files)."""
+
+    path: str  # dataset id, e.g. nyu-mll/glue
     name: str | None = None  # dataset config, e.g. sst2
     train_split: str = "train"
-    eval_split: str = "validation"
+    eval_split: str = "validation"  # the test split of the protocol (SuperGLUE/GLUE test labels are hidden)
+    rename: dict[str, str] = field(default_factory=dict)  # hub column -> the task's field name
+    drop_labels: list[Any] = field(default_factory=list)  # rows with these raw labels are dropped (SNLI: -1)
+    revision: str | None = None  # a commit or tag, for reproducible downloads
 
 
 @dataclass
 class LocalSource:
+    """Files under the data directory. ``kshot``: they live in ``<dir>/<k>-<seed>/`` (the LM-BFF layout)."""
+
     dir: str  # folder under the data directory, e.g. superglue/RTE
-    format: str  # jsonl | tsv
+    format: str  # jsonl | tsv | csv
     train: list[str] = field(default_factory=list)  # files concatenated into the train split
-    eval: list[str] = field(default_factory=list)  # files concatenated into the evaluation split
+    eval: list[str] = field(default_factory=list)  # files concatenated into the evaluation (test) split
+    dev: list[str] = field(default_factory=list)  # fixed dev files (LM-BFF k-shot); empty: dev sampled from train
+    kshot: bool = False  # true: files are read from <dir>/<data.k>-<data.kshot_seed>/
+    train_dir: str | None = None  # folder of the train files when it is not `dir` (BoolQ: fewglue32/BoolQ)
+    flatten: str | None = None  # a registered flattener for nested JSON rows (multirc, record, wsc)
+    columns: list[str] | None = None  # column names of header-less tsv/csv files, in order
+    ragged: bool = False  # rows may hold extra columns before the last one (SNLI's label2..label5)
+    rename: dict[str, str] = field(default_factory=dict)  # file column -> the task's field name
+    note: str | None = None  # appended to a missing-file error: where else the data can come from
+
+    def __post_init__(self) -> None:
+        if self.format not in LOCAL_FORMATS:
+            raise ConfigError(f"local.format={self.format!r} is not one of {', '.join(LOCAL_FORMATS)}")
+        if self.format == "jsonl" and self.columns:
+            raise ConfigError("local.columns names the columns of header-less tsv/csv files; remove it for jsonl")
+
+
+@dataclass
+class MaskedData:
+    """Where a masked LM's k-shot splits come from (LM-BFF protocol): local files, else k per class from the Hub."""
+
+    local: LocalSource | None = None
+    hub: HubSource | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.local, dict):
+            self.local = LocalSource(**self.local)
+        if isinstance(self.hub, dict):
+            self.hub = HubSource(**self.hub)
 
 
 @dataclass
 class PromptFormat:
     """How one model family sees an example. ``{field}`` placeholders are filled from the row."""
 
-    template: str
+    template: str = ""
     candidates: list[str] = field(default_factory=list)  # one per label, in label-index order
     hook: str | None = None  # a registered render hook, for templates that need code
 
@@ -48,14 +96,17 @@ class PromptFormat:
 class TaskSpec:
     name: str
     version: int
-    metric: str = "accuracy"
-    label_field: str = "label"
+    objective: str = "classification"  # classification | lm | generation (see OBJECTIVES)
+    metric: str = "accuracy"  # accuracy, or f1 for generation tasks (exact match is reported beside it)
+    f1_objective: bool = False  # generation tasks: ZO methods minimise -F1 of the greedy generation instead
+    label_field: str | None = "label"  # null: the hook derives the gold answer (ReCoRD, SQuAD, DROP)
     labels: list[Any] = field(default_factory=list)  # raw label values in index order
-    text_fields: list[str] = field(default_factory=list)  # fields every row must have
-    hub: HubSource | None = None
+    text_fields: list[str] = field(default_factory=list)  # fields every row must have (after `rename`)
+    hub: HubSource | None = None  # causal (MeZO protocol) data
     local: LocalSource | None = None
     causal: PromptFormat | None = None
     masked: PromptFormat | None = None
+    masked_data: MaskedData | None = None  # masked (LM-BFF protocol) data
     num_dev: int | None = None  # overrides data.num_dev (SPEC §6: CB and COPA use 100)
 
     def __post_init__(self) -> None:
@@ -63,27 +114,72 @@ class TaskSpec:
             self.hub = HubSource(**self.hub)
         if isinstance(self.local, dict):
             self.local = LocalSource(**self.local)
-        for fam in ("causal", "masked"):
+        if isinstance(self.masked_data, dict):
+            self.masked_data = MaskedData(**self.masked_data)
+        for fam in FAMILIES:
             value = getattr(self, fam)
             if isinstance(value, dict):
                 setattr(self, fam, PromptFormat(**value))
+        where = f"task {self.name!r}"
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"{where}: objective={self.objective!r} is not one of {', '.join(OBJECTIVES)}")
         if self.metric not in METRICS:
             raise ConfigError(f"task.metric={self.metric!r} is not one of {', '.join(METRICS)}")
-        if not (self.hub or self.local):
-            raise ConfigError(f"task {self.name!r} needs a `hub` or a `local` data source")
-        for fam in ("causal", "masked"):
+        if (self.objective == "generation") != (self.metric == "f1"):
+            raise ConfigError(f"{where}: metric={self.metric!r} does not fit objective={self.objective!r}; "
+                              "generation tasks are scored by f1, the others by accuracy")
+        if self.f1_objective and self.objective != "generation":
+            raise ConfigError(f"{where}: f1_objective=true needs objective=generation (it scores generated answers)")
+        if self.num_dev is not None and self.num_dev < 1:
+            raise ConfigError(f"task.num_dev={self.num_dev} must be >= 1, or null to use data.num_dev")
+        if not (self.causal or self.masked):
+            raise ConfigError(f"{where} needs a `causal` or a `masked` prompt format")
+        if self.causal and not (self.hub or self.local):
+            raise ConfigError(f"{where} has a causal format but no `hub` or `local` data source")
+        if self.masked and not (self.masked_data and (self.masked_data.hub or self.masked_data.local)):
+            raise ConfigError(f"{where} has a masked format but no `masked_data` with a `hub` or `local` source")
+        for fam in FAMILIES:
             fmt = getattr(self, fam)
-            if fmt and not fmt.hook and len(fmt.candidates) != len(self.labels):
+            if fmt:
+                self._check_format(fam, fmt)
+
+    def _check_format(self, family: str, fmt: PromptFormat) -> None:
+        """Fail at start-up on a template that could only fail at render time."""
+        where = f"task {self.name!r}: {family}"
+        if fmt.hook:
+            HOOKS.get(fmt.hook)  # an unknown hook lists the known ones
+            return
+        if self.label_field is None:
+            raise ConfigError(f"{where} has no hook, so the task needs a label_field to know the gold candidate")
+        if len(fmt.candidates) != len(self.labels):
+            raise ConfigError(
+                f"{where}.candidates has {len(fmt.candidates)} entries but labels has {len(self.labels)}; "
+                "give one candidate per label, in label order"
+            )
+        allowed = set(self.text_fields) | ({"mask"} if family == "masked" else set())
+        for name, _ in template_fields(fmt.template, f"{where}.template"):
+            if name not in allowed:
                 raise ConfigError(
-                    f"task {self.name!r}: {fam}.candidates has {len(fmt.candidates)} entries but labels has "
-                    f"{len(self.labels)}; give one candidate per label, in label order"
+                    f"{where}.template uses {{{name}}}, which is not in text_fields ({', '.join(self.text_fields)}); "
+                    "add it there or fix the template"
                 )
+        if family == "masked" and "mask" not in {n for n, _ in template_fields(fmt.template, where)}:
+            raise ConfigError(f"{where}.template has no {{mask}}; a masked template needs the mask position")
 
     def prompt_format(self, family: str) -> PromptFormat:
         fmt = getattr(self, family, None)
         if fmt is None:
-            raise ConfigError(f"task {self.name!r} has no prompt format for {family} models; pick another task or model")
+            raise ConfigError(
+                f"task {self.name!r} has no prompt format for {family} models; pick another task or model"
+            )
         return fmt
+
+    def sources(self, family: str) -> tuple[HubSource | None, LocalSource | None]:
+        """(hub, local) data sources of the family's protocol."""
+        self.prompt_format(family)
+        if family == "masked":
+            return self.masked_data.hub, self.masked_data.local  # type: ignore[union-attr]
+        return self.hub, self.local
 
     def label_index(self, value: Any, where: str) -> int:
         """Normalise a raw label to its index in ``labels``: exact value, then case-insensitive text, then an index.
@@ -106,7 +202,10 @@ class TaskSpec:
 
 @dataclass
 class Example:
-    """One rendered example: a prompt, its candidates, and the index of the gold candidate."""
+    """One rendered example: a prompt, its candidates, and the index of the gold candidate.
+
+    ``meta["answers"]`` holds every acceptable answer of a generation task (scored by F1 / exact match).
+    """
 
     prompt: str
     candidates: list[str]
@@ -114,17 +213,54 @@ class Example:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-RenderHook = Callable[[TaskSpec, PromptFormat, dict[str, Any], int], Example]
+RenderHook = Callable[["TaskSpec", PromptFormat, dict[str, Any], int], Example]
 HOOKS: Registry[RenderHook] = Registry("task render hook")
 
 
+def _upper_first(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+# Filters a template may apply to a field: ``{span2_text|lower}``. Small on purpose; anything more is a hook.
+FILTERS: dict[str, Callable[[str], str]] = {
+    "lower": str.lower,
+    "strip": str.strip,
+    "upper_first": _upper_first,
+}
+
+
+def template_fields(template: str, where: str = "template") -> list[tuple[str, list[str]]]:
+    """The (field, filters) pairs of a template, checking every filter is known."""
+    out = []
+    for _, spec, _, _ in string.Formatter().parse(template):
+        if not spec:
+            continue
+        name, *filters = [part.strip() for part in spec.split("|")]
+        for f in filters:
+            if f not in FILTERS:
+                raise ConfigError(f"{where}: unknown filter {f!r} in {{{spec}}}; known: {', '.join(sorted(FILTERS))}")
+        out.append((name, filters))
+    return out
+
+
 def fill(template: str, row: dict[str, Any], where: str = "template") -> str:
-    """Fill ``{field}`` placeholders from the row, naming the missing field if there is one."""
-    names = [name for _, name, _, _ in string.Formatter().parse(template) if name]
-    missing = [n for n in names if n not in row]
-    if missing:
-        raise ConfigError(f"{where}: the row has no field {missing[0]!r} (fields: {', '.join(sorted(row))})")
-    return template.format_map({n: str(row[n]) for n in names})
+    """Fill ``{field}`` / ``{field|filter}`` placeholders from the row, naming the missing field if there is one."""
+    parts = []
+    for literal, spec, _, _ in string.Formatter().parse(template):
+        parts.append(literal)
+        if not spec:
+            continue
+        name, *filters = [part.strip() for part in spec.split("|")]
+        if name not in row:
+            fields = ", ".join(sorted(k for k in row if not k.startswith("_")))
+            raise ConfigError(f"{where}: the row has no field {name!r} (fields: {fields})")
+        value = str(row[name])
+        for f in filters:
+            if f not in FILTERS:
+                raise ConfigError(f"{where}: unknown filter {f!r}; known: {', '.join(sorted(FILTERS))}")
+            value = FILTERS[f](value)
+        parts.append(value)
+    return "".join(parts)
 
 
 def render(spec: TaskSpec, family: str, row: dict[str, Any], gold: int, mask_token: str | None = None) -> Example:
@@ -138,3 +274,7 @@ def render(spec: TaskSpec, family: str, row: dict[str, Any], gold: int, mask_tok
             raise ConfigError(f"task {spec.name!r}: masked template needs the tokenizer's mask token")
         values["mask"] = mask_token
     return Example(fill(fmt.template, values, f"task {spec.name!r}"), list(fmt.candidates), gold)
+
+
+# Registers the built-in hooks (COPA, ReCoRD, SQuAD, DROP); at the end because they import this module.
+from adazeta.tasks import hooks  # noqa: E402,F401

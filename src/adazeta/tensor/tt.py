@@ -115,20 +115,29 @@ def init_cores(
 
 
 def contract_cores(cores: Sequence[Tensor]) -> Tensor:
-    """Contract a chain of cores into a matrix of shape ``(r_first * prod k_i, r_last)``, modes row-major."""
-    result = cores[0].reshape(-1, cores[0].shape[-1])
+    """Contract a chain of cores into a matrix of shape ``(r_first * prod k_i, r_last)``, modes row-major.
+
+    Cores may carry the same leading batch dimensions (``(..., r, k, r')``, e.g. one set of cores per weight
+    replica); the result then has them too.
+    """
+    lead = cores[0].shape[:-3]
+    result = cores[0].reshape(*lead, -1, cores[0].shape[-1])
     for core in cores[1:]:
-        r_prev, k, r_next = core.shape
-        result = (result @ core.reshape(r_prev, k * r_next)).reshape(-1, r_next)
+        r_prev, k, r_next = core.shape[-3:]
+        result = (result @ core.reshape(*lead, r_prev, k * r_next)).reshape(*lead, -1, r_next)
     return result
 
 
 def tt_matmul(x: Tensor, cores: Sequence[Tensor], split: int) -> Tensor:
     """``x @ W`` with ``W = A @ B``, A (in, r) = contraction of cores[:split], B (r, out) = of cores[split:].
 
-    The dense (in, out) matrix is never formed: this is the rank-r "fast forward" of SPEC §2.
+    The dense (in, out) matrix is never formed: this is the rank-r "fast forward" of SPEC §2. Batched cores
+    ``(R, r, k, r')`` with ``x`` of shape ``(R, ..., in)`` give replica r's product for ``x[r]``.
     """
     a = contract_cores(cores[:split])  # (in, r), since r_0 = 1
-    r = cores[split].shape[0]
-    b = contract_cores(cores[split:]).reshape(r, -1)  # (r * out, 1) -> (r, out), since r_n = 1
+    r = cores[split].shape[-3]
+    b = contract_cores(cores[split:]).reshape(*cores[split].shape[:-3], r, -1)  # (r, out), since r_n = 1
+    if a.dim() > 2:  # one (A, B) per replica: x (R, ..., in) -> (R, M, in) for batched products
+        flat = x.reshape(a.shape[0], -1, x.shape[-1])
+        return ((flat @ a) @ b).reshape(*x.shape[:-1], b.shape[-1])
     return (x @ a) @ b

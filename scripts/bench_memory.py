@@ -1,0 +1,222 @@
+"""Peak memory of one training step per method, on the same model and the same batch (SPEC §9).
+
+    python scripts/bench_memory.py                       # SmolLM2-135M, 16 SST-2 prompts, six methods
+    python scripts/bench_memory.py --methods inference adazeta --steps 3 --set model.dtype=bf16
+
+Each method runs in a fresh subprocess, because a process's peak resident memory can only grow: a shared
+process would report the largest method for all. In each subprocess the model, adapter, optimizer and batch
+are built first; then the memory high-water mark is reset and ``--steps`` steps run (a forward for
+``inference``, a ZO-SGD step for ZO methods, an AdamW step for first-order ones). Reported:
+- on the CPU, the peak resident set size during the steps (``VmHWM`` after resetting it through
+  ``/proc/self/clear_refs``), so that the transient of loading and dequantizing the model does not hide the
+  step's own peak; the whole-process peak (``ru_maxrss``, what a run records) is reported beside it;
+- on a GPU, the CUDA peak allocated during the steps.
+Writes ``results/bench/memory.csv`` (one row per method) and ``memory.json`` (the rows plus provenance).
+Offline when $ADAZETA_MODEL_DIR / $ADAZETA_DATA_DIR (or ../shared) hold the model and data; else the Hub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+METHODS = ["inference", "ft", "lora", "mezo", "mezo_lora", "adazeta"]
+COLUMNS = [
+    "method", "trainable_params", "peak_mem_mb", "ratio", "process_peak_mem_mb", "process_ratio", "step_s", "device",
+    "measure",
+]
+
+
+def _status_kib(field: str) -> int | None:
+    """A ``/proc/self/status`` field (VmRSS, VmHWM) in KiB; None off Linux."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_rss_peak() -> bool:
+    """Reset the process's resident-memory high-water mark to its current RSS (Linux >= 4.0)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _release_free_heap() -> None:
+    """Hand freed heap back to the OS (glibc), so loading leftovers do not count as the steps' memory."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def worker(method: str, args: argparse.Namespace) -> dict:
+    """Build one method's model, optimizer and batch; measure ``args.steps`` steps. Runs in its own process."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from hydra import compose, initialize_config_dir
+
+    from adazeta.adapters import ADAPTERS
+    from adazeta.models import count_parameters, load_model
+    from adazeta.optim import OPTIMIZERS
+    from adazeta.run import parse, seed_everything
+    from adazeta.scoring import batch_loss, collate, encode
+    from adazeta.tasks.loaders import load_task
+    from adazeta.train import first_order_step
+
+    overrides = [
+        f"model={args.model}",
+        f"task={args.task}",
+        f"method={'zero_shot' if method == 'inference' else method}",
+        f"train.batch_size={args.batch_size}",
+        f"data.num_train={args.batch_size}",
+        "data.num_dev=8",
+        "data.num_eval=8",
+        "wandb.mode=disabled",
+        *args.set,
+    ]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        s = parse(compose(config_name="config", overrides=overrides))
+    seed_everything(s.seed)
+    loaded = load_model(s.model, seed=s.seed)
+    device, family, tok = loaded.device, loaded.family, loaded.tokenizer
+    model = ADAPTERS.get(s.adapter.kind).builder(loaded.model, s.adapter.config)
+    _, trainable = count_parameters(model)
+    data = load_task(s.task, s.data, family, s.seed, getattr(tok, "mask_token", None))
+    items = encode(data.train[: args.batch_size], tok, family, s.model.max_length)
+    mask_id = getattr(tok, "mask_token_id", None)
+    batch = collate(items, family, tok.pad_token_id, mask_id).to(device)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = OPTIMIZERS.get(s.optimizer.kind).builder(named, s.optimizer.config, s.seed) if s.optimizer else None
+    zeroth_order = getattr(optimizer, "zeroth_order", False)
+    del data, loaded
+
+    def step() -> None:
+        if optimizer is None:
+            with torch.inference_mode():
+                float(batch_loss(model, batch, family))
+        elif zeroth_order:
+            float(optimizer.step(lambda: batch_loss(model, batch, family)))
+        else:
+            float(first_order_step(model, optimizer, items, 1, family, tok.pad_token_id, mask_id, device))
+
+    _release_free_heap()
+    rss_start = (_status_kib("VmRSS") or 0) / 1024
+    measure = "cuda_peak_allocated" if device.type == "cuda" else ("rss_hwm" if _reset_rss_peak() else "ru_maxrss")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = (time.perf_counter() - start) / args.steps
+    process_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    if measure == "cuda_peak_allocated":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    elif measure == "rss_hwm":
+        peak = _status_kib("VmHWM") / 1024
+    else:
+        peak = process_peak
+    return {
+        "method": method,
+        "trainable_params": trainable,
+        "peak_mem_mb": round(peak, 1),
+        "process_peak_mem_mb": round(process_peak, 1),
+        "rss_start_mb": round(rss_start, 1),
+        "step_s": round(elapsed, 3),
+        "device": device.type,
+        "measure": measure,
+    }
+
+
+def run_all(args: argparse.Namespace) -> list[dict]:
+    env = dict(os.environ)
+    for var, sub in (("ADAZETA_MODEL_DIR", "models"), ("ADAZETA_DATA_DIR", "data")):
+        if not env.get(var) and (SHARED / sub).is_dir():
+            env[var] = str(SHARED / sub)
+    rows = []
+    for method in args.methods:
+        cmd = [sys.executable, __file__, "--worker", method, *sys.argv[1:]]
+        print(f"measuring {method} ...", file=sys.stderr, flush=True)
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.stderr.write(out.stderr[-3000:])
+            raise SystemExit(f"bench_memory: {method} failed (exit {out.returncode})")
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    base = next((r for r in rows if r["method"] == "inference"), None)
+    for r in rows:
+        r["ratio"] = round(r["peak_mem_mb"] / base["peak_mem_mb"], 2) if base else None
+        r["process_ratio"] = round(r["process_peak_mem_mb"] / base["process_peak_mem_mb"], 2) if base else None
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """A Markdown table: the rows the README shows."""
+    head = (
+        "| method | trainable params | peak memory (MiB) | x inference | whole-process peak (MiB) | x inference "
+        "| s / step |"
+    )
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['trainable_params']:,} | {r['peak_mem_mb']:,.0f} | {r['ratio']:.2f} | "
+            f"{r['process_peak_mem_mb']:,.0f} | {r['process_ratio']:.2f} | {r['step_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", nargs="+", default=METHODS, help="method configs; 'inference' = a forward only")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--task", default="sst2")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=2, help="steps measured (AdamW allocates its state in step 1)")
+    parser.add_argument("--set", nargs="*", default=[], help="extra Hydra overrides, e.g. model.dtype=bf16")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "memory.csv")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args)))
+        return
+
+    rows = run_all(args)
+    print(table(rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows({k: r.get(k) for k in COLUMNS} for r in rows)
+    sys.path.insert(0, str(ROOT / "src"))
+    from adazeta.results import git_state, package_versions
+
+    provenance = {
+        "model": args.model, "task": args.task, "batch_size": args.batch_size, "steps": args.steps,
+        "overrides": args.set, "git": git_state(), "packages": package_versions(), "cpu_count": os.cpu_count(),
+    }
+    args.out.with_suffix(".json").write_text(json.dumps({"rows": rows, **provenance}, indent=2) + "\n")
+    print(f"wrote {args.out} and {args.out.with_suffix('.json')}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Dense bottleneck adapters (Houlsby et al. 2019), the "Adapters" rows of SPEC §5 (first-order and MeZO).
+
+The module is the TT adapter's with dense projections: ``h -> h + up(act(down(h)))``, placed with the same
+``PLACEMENTS`` table (or ``targets``) and the same ``AdaptedLinear`` wrapper, so that the two differ only in how
+``down`` and ``up`` are stored. ``up`` starts at zero, so the adapted model equals the backbone at step 0 (the
+usual near-identity start of adapter tuning; the TT adapter's reference init is not the identity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+from torch import Tensor, nn
+
+from adazeta.adapters import ADAPTERS
+from adazeta.adapters.tt import ACTIVATIONS, PLACEMENT_NAMES, POSITIONS, AdaptedLinear, linear_features, resolve_targets
+from adazeta.errors import ConfigError
+
+
+@dataclasses.dataclass
+class BottleneckAdapterConfig:
+    """Config of the dense bottleneck adapter; validated on construction."""
+
+    bottleneck: int = 64  # b: width of the adapter's hidden layer; 2*H*b + H + b parameters per adapter
+    activation: str = "relu"
+    # "paper": after the attention and feed-forward sub-layers (Houlsby's placement, the default here);
+    # "official": the TT reference code's sites (Llama: gate/up inputs and down output). Ignored with `targets`.
+    placement: str = "paper"
+    # Manual placement, replacing the table: [{"pattern": regex searched in module names, "position": "input"
+    # or "output"}]. Needed for architectures the placement table does not know.
+    targets: list[dict] | None = None
+
+    def __post_init__(self) -> None:
+        if self.bottleneck < 1:
+            raise ConfigError(f"adapter.bottleneck={self.bottleneck} must be >= 1")
+        if self.placement not in PLACEMENT_NAMES:
+            raise ConfigError(f"adapter.placement={self.placement!r} is unknown; known: {', '.join(PLACEMENT_NAMES)}")
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"adapter.activation={self.activation!r} is unknown; known: {', '.join(ACTIVATIONS)}")
+        for i, target in enumerate(self.targets or []):
+            if not isinstance(target, dict) or set(target) != {"pattern", "position"}:
+                raise ConfigError(f"adapter.targets[{i}]={target} must have exactly the keys 'pattern' and 'position'")
+            if target["position"] not in POSITIONS:
+                raise ConfigError(
+                    f"adapter.targets[{i}].position={target['position']!r} is unknown; known: {', '.join(POSITIONS)}"
+                )
+            try:
+                re.compile(target["pattern"])
+            except re.error as err:
+                raise ConfigError(f"adapter.targets[{i}].pattern={target['pattern']!r} is not a regex: {err}") from None
+
+
+class BottleneckAdapter(nn.Module):
+    """``h -> h + up(act(down(h)))`` with dense fp32 projections, computed in fp32 whatever the dtype of h."""
+
+    def __init__(self, features: int, bottleneck: int, activation: str = "relu", device: torch.device | None = None):
+        super().__init__()
+        self.down = nn.Linear(features, bottleneck, device=device, dtype=torch.float32)
+        self.act = ACTIVATIONS[activation]()
+        self.up = nn.Linear(bottleneck, features, device=device, dtype=torch.float32)
+        if self.up.weight.device.type != "meta":
+            # Zero output projection: the adapter starts as the identity, so step 0 is the frozen model.
+            nn.init.zeros_(self.up.weight)
+            nn.init.zeros_(self.up.bias)
+
+    def forward(self, h: Tensor) -> Tensor:
+        x = h.float()
+        return (x + self.up(self.act(self.down(x)))).to(h.dtype)
+
+
+def count_bottleneck_adapters(model: nn.Module) -> int:
+    return sum(isinstance(m, BottleneckAdapter) for m in model.modules())
+
+
+def adapter_params(features: int, bottleneck: int) -> int:
+    """Parameters of one adapter: two dense matrices and their biases."""
+    return 2 * features * bottleneck + features + bottleneck
+
+
+@ADAPTERS.register("bottleneck", BottleneckAdapterConfig)
+def add_bottleneck_adapters(model: nn.Module, cfg: BottleneckAdapterConfig) -> nn.Module:
+    """Freeze ``model`` and wrap each targeted linear layer in an AdaptedLinear; only the adapters train.
+
+    Initialisation draws from the global RNG (seeded once by the runner), like any ``nn.Linear``.
+    """
+    targets = resolve_targets(model, cfg)  # same table and same error for unknown architectures as TT
+    model.requires_grad_(False)
+    chosen: dict[str, str] = {}
+    hits = {pattern: 0 for pattern, _ in targets}
+    for name, module in model.named_modules():
+        if linear_features(module) is None:
+            continue
+        for pattern, position in targets:
+            if re.search(pattern, name):
+                if name in chosen:
+                    raise ConfigError(f"adapter: module {name!r} is matched by more than one target pattern")
+                chosen[name], hits[pattern] = position, hits[pattern] + 1
+    missing = [pattern for pattern, n in hits.items() if n == 0]
+    if missing:
+        raise ConfigError(
+            f"adapter: pattern(s) {', '.join(map(repr, missing))} match no linear layer of this model; "
+            f"check adapter.targets or adapter.placement"
+        )
+    for name, position in chosen.items():
+        base = model.get_submodule(name)
+        fan_in, fan_out = linear_features(base)
+        features = fan_in if position == "input" else fan_out
+        adapter = BottleneckAdapter(features, cfg.bottleneck, cfg.activation, device=base.weight.device)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, AdaptedLinear(base, adapter, position))
+    return model
+

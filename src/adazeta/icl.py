@@ -1,0 +1,113 @@
+"""In-context learning (the ICL rows of SPEC §5): k solved train examples prepended to every prompt.
+
+A demonstration is a train example's prompt followed by its gold answer (causal), or its prompt with the gold
+label word in place of the mask (masked, as in LM-BFF). The k demonstrations are drawn once, with a seed, from
+the sampled train split, so every dev and test example sees the same ones (MeZO's protocol). When a prompt would
+not fit ``model.max_length``, whole demonstrations are dropped, oldest first: the test example itself is never
+cut by the demonstrations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from adazeta.errors import ConfigError
+from adazeta.tasks.loaders import TaskData
+from adazeta.tasks.spec import Example
+
+
+@dataclass
+class DemonstrationConfig:
+    """How many demonstrations, joined how, drawn with which seed."""
+
+    k: int = 32  # MeZO's ICL uses 32 demonstrations
+    separator: str = "\n\n"  # between demonstrations and before the test prompt
+    seed: int | None = None  # None: the run seed
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ConfigError(f"demonstrations.k={self.k} must be >= 1 (k = 0 is the zero_shot method)")
+        if not isinstance(self.separator, str):
+            raise ConfigError(f"demonstrations.separator={self.separator!r} must be a string, e.g. '\\n\\n'")
+
+
+def sample_demonstrations(train: Sequence[Example], k: int, seed: int) -> list[Example]:
+    """k distinct train examples, drawn with ``seed`` (the same seed gives the same demonstrations)."""
+    if k > len(train):
+        raise ConfigError(
+            f"demonstrations.k={k} is more than the {len(train)} train examples; lower it or raise data.num_train"
+        )
+    order = np.random.RandomState(seed).choice(len(train), size=k, replace=False)
+    return [train[i] for i in order]
+
+
+def demonstration_text(example: Example, family: str, mask_token: str | None = None) -> str:
+    """A solved example: prompt + gold answer (causal), or the prompt with the gold word at the mask (masked)."""
+    answer = example.candidates[example.gold]
+    if family == "masked":
+        if mask_token is None or mask_token not in example.prompt:
+            raise ConfigError("masked demonstrations need the tokenizer's mask token in the prompt")
+        return example.prompt.replace(mask_token, answer.strip(), 1)
+    # A trailing newline ending the answer (generation tasks' stop marker) would double the separator.
+    return (example.prompt + answer).rstrip("\n")
+
+
+def fits_in(tokenizer: Any, family: str, max_length: int) -> Callable[[str, Sequence[str]], bool]:
+    """Whether a prompt and its longest candidate fit ``max_length`` tokens, counted as ``scoring.encode`` does."""
+    bos = 1 if family == "causal" and getattr(tokenizer, "add_bos_token", False) else 0
+
+    def fits(prompt: str, candidates: Sequence[str]) -> bool:
+        if family == "masked":
+            return len(tokenizer(prompt, add_special_tokens=True)["input_ids"]) <= max_length
+        longest = max((len(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in candidates), default=0)
+        return bos + len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) + longest <= max_length
+
+    return fits
+
+
+def prepend_demonstrations(
+    examples: Sequence[Example],
+    demonstrations: Sequence[Example],
+    separator: str,
+    family: str,
+    fits: Callable[[str, Sequence[str]], bool],
+    mask_token: str | None = None,
+) -> list[Example]:
+    """Each example with the demonstrations before its prompt; ``meta["demonstrations"]`` says how many fit."""
+    blocks = [demonstration_text(d, family, mask_token) for d in demonstrations]
+    out = []
+    for ex in examples:
+
+        def prompt(dropped: int) -> str:
+            return separator.join(blocks[dropped:] + [ex.prompt])
+
+        # Fewer demonstrations never make a prompt longer: binary search the fewest to drop.
+        lo, hi = 0, len(blocks)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(prompt(mid), ex.candidates):
+                hi = mid
+            else:
+                lo = mid + 1
+        out.append(
+            dataclasses.replace(ex, prompt=prompt(lo), meta={**ex.meta, "demonstrations": len(blocks) - lo})
+        )
+    return out
+
+
+def add_demonstrations_(
+    data: TaskData, cfg: DemonstrationConfig, tokenizer: Any, family: str, max_length: int, run_seed: int
+) -> float:
+    """Prepend demonstrations from ``data.train`` to every dev and test prompt, in place.
+
+    Returns the mean number of demonstrations that fit a test prompt (k unless ``max_length`` dropped some).
+    """
+    shots = sample_demonstrations(data.train, cfg.k, run_seed if cfg.seed is None else cfg.seed)
+    fits, mask_token = fits_in(tokenizer, family, max_length), getattr(tokenizer, "mask_token", None)
+    data.dev = prepend_demonstrations(data.dev, shots, cfg.separator, family, fits, mask_token)
+    data.eval = prepend_demonstrations(data.eval, shots, cfg.separator, family, fits, mask_token)
+    return sum(e.meta["demonstrations"] for e in data.eval) / max(len(data.eval), 1)

@@ -1,0 +1,157 @@
+"""Linear probing (the LP rows of SPEC §5 and MeZO's tables): logistic regression on frozen features.
+
+Features are the backbone's final hidden state at the last prompt token (causal: the state that predicts the
+answer) or at the mask (masked). A scikit-learn logistic regression is fitted on the train split for each C of a
+grid; the C with the best dev accuracy (ties: lower dev loss) is kept and reported on dev and test. Test data is
+used once, after the choice.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from adazeta.errors import ConfigError
+from adazeta.evaluate import EvalResult
+from adazeta.scoring import Encoded, lm_parts
+from adazeta.tracking import Tracker
+from adazeta.train import Outcome
+
+log = logging.getLogger("adazeta")
+
+
+@dataclass
+class ProbeConfig:
+    """The logistic-regression probe: C grid (selected on dev), feature scaling, solver iterations."""
+
+    C: list[float] = field(default_factory=lambda: [0.001, 0.01, 0.1, 1.0, 10.0, 100.0])
+    standardize: bool = True  # z-score with train statistics; LLM hidden states have outlier dimensions
+    max_iter: int = 1000
+
+    def __post_init__(self) -> None:
+        self.C = [float(c) for c in (self.C if isinstance(self.C, (list, tuple)) else [self.C])]
+        if not self.C or any(c <= 0 for c in self.C):
+            raise ConfigError(f"probe.C={self.C} must be a non-empty list of values > 0")
+        if self.max_iter < 1:
+            raise ConfigError(f"probe.max_iter={self.max_iter} must be >= 1")
+
+
+@torch.no_grad()
+def prompt_features(
+    model: nn.Module,
+    items: Sequence[Encoded],
+    family: str,
+    batch_size: int,
+    device: torch.device,
+    pad_id: int,
+    mask_id: int | None,
+) -> np.ndarray:
+    """(N, H) float32 final hidden states at each prompt's last token (causal) or its mask (masked)."""
+    backbone, _ = lm_parts(model, family)
+    model.eval()
+    order = sorted(range(len(items)), key=lambda i: len(items[i].prompt))  # similar lengths: less padding
+    out = np.zeros((len(items), 0), dtype=np.float32)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        prompts = [items[i].prompt for i in chunk]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(chunk), width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, : len(p)] = torch.tensor(p)
+            attention[r, : len(p)] = 1
+        at = torch.tensor([p.index(mask_id) if family == "masked" else len(p) - 1 for p in prompts])
+        hidden = backbone(input_ids=ids.to(device), attention_mask=attention.to(device)).last_hidden_state
+        picked = hidden[torch.arange(len(chunk), device=hidden.device), at.to(hidden.device)].float().cpu().numpy()
+        if out.shape[1] == 0:
+            out = np.zeros((len(items), picked.shape[1]), dtype=np.float32)
+        out[chunk] = picked
+    return out
+
+
+@dataclass
+class Probe:
+    C: float
+    classifier: Any
+    scaler: Any | None
+    num_classes: int
+
+    def probabilities(self, x: np.ndarray) -> np.ndarray:
+        """(N, num_classes) probabilities; a class never seen in training gets probability 0."""
+        x = self.scaler.transform(x) if self.scaler is not None else x
+        full = np.zeros((len(x), self.num_classes))
+        full[:, self.classifier.classes_] = self.classifier.predict_proba(x)
+        return full
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> EvalResult:
+        """Mean cross-entropy and accuracy, as ``evaluate.evaluate`` reports them for scored candidates."""
+        probs = self.probabilities(x)
+        loss = float(-np.log(np.clip(probs[np.arange(len(y)), y], 1e-12, None)).mean())
+        return EvalResult(loss, float((probs.argmax(axis=1) == y).mean()), len(y))
+
+
+def fit_probe(
+    x_train: np.ndarray, y_train: np.ndarray, x_dev: np.ndarray, y_dev: np.ndarray, cfg: ProbeConfig,
+    num_classes: int, seed: int = 0,
+) -> tuple[Probe, dict[float, float]]:
+    """Fit one logistic regression per C on train; keep the best dev accuracy (ties: lower dev loss)."""
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    if len(np.unique(y_train)) < 2:
+        raise ConfigError("lp: the train split holds a single class; raise data.num_train or change data.seed")
+    scaler = StandardScaler().fit(x_train) if cfg.standardize else None
+    x = scaler.transform(x_train) if scaler is not None else x_train
+    best: tuple[Probe, EvalResult] | None = None
+    grid: dict[float, float] = {}
+    for c in cfg.C:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ConvergenceWarning)
+            clf = LogisticRegression(C=c, max_iter=cfg.max_iter, random_state=seed).fit(x, y_train)
+        if any(issubclass(w.category, ConvergenceWarning) for w in caught):
+            log.warning("lp: C=%g did not converge in probe.max_iter=%d iterations", c, cfg.max_iter)
+        probe = Probe(c, clf, scaler, num_classes)
+        dev = probe.evaluate(x_dev, y_dev)
+        grid[c] = dev.accuracy
+        if best is None or (dev.accuracy, -dev.loss) > (best[1].accuracy, -best[1].loss):
+            best = (probe, dev)
+    assert best is not None
+    return best[0], grid
+
+
+def linear_probe(
+    model: nn.Module,
+    family: str,
+    encoded: dict[str, Sequence[Encoded]],
+    cfg: ProbeConfig,
+    batch_size: int,
+    device: torch.device,
+    pad_id: int,
+    mask_id: int | None,
+    tracker: Tracker,
+    seed: int,
+) -> tuple[Outcome, dict[str, Any]]:
+    """Features of train/dev/eval, the probe fitted and selected on dev, dev and test logged; no training steps."""
+    counts = {len(e.candidates) for split in encoded.values() for e in split}
+    if len(counts) != 1:
+        raise ConfigError("lp needs the same candidate set for every example (a classification task); this task varies")
+    num_classes = counts.pop()
+    feats = {s: prompt_features(model, encoded[s], family, batch_size, device, pad_id, mask_id) for s in encoded}
+    labels = {s: np.array([e.gold for e in encoded[s]]) for s in encoded}
+    probe, grid = fit_probe(feats["train"], labels["train"], feats["dev"], labels["dev"], cfg, num_classes, seed)
+    dev = probe.evaluate(feats["dev"], labels["dev"])
+    test = probe.evaluate(feats["eval"], labels["eval"])
+    tracker.log_eval(0, "dev", dev.loss, dev.accuracy)
+    tracker.log_eval(0, "test", test.loss, test.accuracy)
+    log.info("lp: C=%g chosen on dev (dev accuracy per C: %s)", probe.C, grid)
+    # Nothing precedes the fit, so the "initial" dev result is the probe's own.
+    outcome = Outcome("finished", None, 0, 0, dev, dev, test, 0)
+    info = {"C": probe.C, "dev_accuracy_per_C": {str(c): a for c, a in grid.items()}, "features": feats["train"].shape[1]}
+    return outcome, info

@@ -1,0 +1,422 @@
+"""The method matrix (SPEC §5) on tiny models: what each method trains, that training moves only that and lowers
+the loss, Sparse-MeZO's masks, gradient accumulation, in-context learning, linear probing, memory estimates."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from adazeta.adapters import ADAPTERS
+from adazeta.adapters.bottleneck import (
+    BottleneckAdapter,
+    BottleneckAdapterConfig,
+    adapter_params,
+    add_bottleneck_adapters,
+)
+from adazeta.adapters.tt import TTAdapter, count_adapters
+from adazeta.dryrun import memory_estimate
+from adazeta.errors import ConfigError
+from adazeta.icl import DemonstrationConfig, demonstration_text, fits_in, prepend_demonstrations, sample_demonstrations
+from adazeta.models import byte_tokenizer, count_parameters, load_model
+from adazeta.optim import OPTIMIZERS
+from adazeta.optim.sparse_mezo import SparseZOSGD, SparseZOSGDConfig, magnitude_mask, sparse_masks
+from adazeta.probe import ProbeConfig, fit_probe, prompt_features
+from adazeta.run import parse, run, seed_everything
+from adazeta.scoring import batch_loss, collate, encode
+from adazeta.tasks.loaders import load_task
+from adazeta.tasks.spec import Example
+from adazeta.train import first_order_step
+from conftest import compose_cfg, tiny_overrides, write_fixture_data
+
+ZO_METHODS = ["adazeta", "mezo", "mezo_lora", "mezo_adapter", "sparse_mezo"]
+FO_METHODS = ["ft", "lora", "adapter", "tt_adapter"]
+TRAINING_FREE = ["zero_shot", "icl", "lp"]
+# Learning rates for a visible drop within a few steps on the tiny model (the methods' defaults are for real LMs).
+TEST_LR = {"adazeta": 3e-2, "mezo": 1e-3, "mezo_lora": 3e-2, "mezo_adapter": 3e-2, "sparse_mezo": 3e-3,
+           "ft": 1e-3, "lora": 1e-2, "adapter": 1e-3, "tt_adapter": 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread (and the suite shares its cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return write_fixture_data(tmp_path_factory.mktemp("data"))
+
+
+def build(data_dir: Path, method: str, *extra: str, seed: int = 0):
+    """Settings, the adapted tiny-llama, its tokenizer and the trainable (name, parameter) pairs of ``method``."""
+    s = parse(compose_cfg(tiny_overrides(data_dir, f"method={method}", f"seed={seed}", *extra)))
+    seed_everything(seed)
+    loaded = load_model(s.model, seed=seed)
+    model = ADAPTERS.get(s.adapter.kind).builder(loaded.model, s.adapter.config)
+    return s, model, loaded.tokenizer, [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+# --- trainable sets ----------------------------------------------------------------------------------------
+
+# tiny-llama: hidden 32, 2 layers, 4 heads of 8, 2 key-value heads (v_proj: 32 -> 16).
+LORA_COUNT = {"mezo_lora": 2 * 5 * ((32 + 32) + (32 + 16)), "lora": 2 * 8 * ((32 + 32) + (32 + 16))}
+
+
+@pytest.mark.parametrize("method", ZO_METHODS + FO_METHODS + TRAINING_FREE)
+def test_each_method_trains_exactly_its_parameters(method, data_dir):
+    s, model, _, named = build(data_dir, method)
+    names = [n for n, _ in named]
+    total, trainable = count_parameters(model)
+    if method in ("mezo", "ft", "sparse_mezo"):
+        assert trainable == total and len(names) == len(list(model.parameters()))
+    elif method in TRAINING_FREE:
+        assert trainable == 0
+    elif method in ("adazeta", "tt_adapter"):
+        # AdaZeta's trainable set: TT cores and biases only; no norm, no head, no embedding.
+        assert count_adapters(model) == 6 and all(".adapter." in n for n in names)
+        assert not any("norm" in n or "lm_head" in n or "embed" in n for n in names)
+        owners = [m for m in model.modules() if isinstance(m, TTAdapter)]
+        assert trainable == sum(p.numel() for m in owners for p in m.parameters())
+    elif method in ("mezo_adapter", "adapter"):
+        # Dense adapters after attention (o_proj) and FFN (down_proj) of both layers.
+        assert sum(isinstance(m, BottleneckAdapter) for m in model.modules()) == 4
+        assert all(".adapter." in n and ("o_proj" in n or "down_proj" in n) for n in names)
+        assert trainable == 4 * adapter_params(32, 64)
+    else:  # LoRA: A and B of the q and v projections only
+        assert all(("lora_A" in n or "lora_B" in n) and ("q_proj" in n or "v_proj" in n) for n in names)
+        assert trainable == LORA_COUNT[method]
+    assert s.optimizer is None if method in TRAINING_FREE else s.optimizer is not None
+
+
+@pytest.mark.parametrize("method", ZO_METHODS + FO_METHODS)
+def test_training_lowers_the_loss_and_leaves_frozen_weights_bitwise_unchanged(method, data_dir):
+    s, model, tok, named = build(data_dir, method, f"method.optimizer.lr={TEST_LR[method]}")
+    data = load_task(s.task, s.data, "causal", 0)
+    # A tiny learnable task: one class only, so any trainable set that reaches the scores can fit it.
+    items = encode([e for e in data.train if e.gold == 0][:8], tok, "causal", 256)
+    batch = collate(items, "causal", tok.pad_token_id)
+    optimizer = OPTIMIZERS.get(s.optimizer.kind).builder(named, s.optimizer.config, 0)
+    trainable = {n for n, _ in named}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        loss_before = float(batch_loss(model.eval(), batch, "causal"))
+    for _ in range(10 if method in ZO_METHODS else 3):
+        if method in ZO_METHODS:
+            optimizer.n_queries = 2
+            optimizer.step(lambda: batch_loss(model, batch, "causal"))
+        else:
+            first_order_step(model, optimizer, items, 1, "causal", tok.pad_token_id, None, torch.device("cpu"))
+    with torch.no_grad():
+        loss_after = float(batch_loss(model.eval(), batch, "causal"))
+    assert loss_after < loss_before - 0.02, (loss_before, loss_after)
+    after = dict(model.named_parameters())
+    for name, value in before.items():
+        if name not in trainable:
+            assert torch.equal(after[name], value), f"{name} is frozen but changed"
+    assert any(not torch.equal(after[n], before[n]) for n in trainable)
+    if method == "sparse_mezo":
+        names = {id(p): n for n, p in named}
+        for p, mask in optimizer.param_masks():
+            name = names[id(p)]
+            assert torch.equal(p.detach()[~mask], before[name][~mask]), f"{name} moved outside its mask"
+            assert not torch.equal(p.detach()[mask], before[name][mask]), f"{name} did not move inside its mask"
+
+
+# --- Sparse-MeZO -------------------------------------------------------------------------------------------
+
+
+def test_magnitude_mask_keeps_the_smallest_weights_per_tensor():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 50, generator=g)
+    mask = magnitude_mask(w, 0.25)
+    assert mask.dtype == torch.bool and int(mask.sum()) == 500  # ceil(0.25 * 2000), no ties in random data
+    assert w[mask].abs().max() < w[~mask].abs().min()
+    assert magnitude_mask(w, 1.0).all()
+
+
+def test_random_mask_is_seeded_and_has_the_requested_density():
+    params = [torch.randn(100, 100), torch.randn(500)]
+    a = sparse_masks(params, 0.75, "random", seed=1)
+    b = sparse_masks(params, 0.75, "random", seed=1)
+    c = sparse_masks(params, 0.75, "random", seed=2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c[0])
+    assert abs(float(a[0].float().mean()) - 0.25) < 0.02
+
+
+def test_sparse_masks_are_fixed_at_start_and_survive_a_resume():
+    w = torch.nn.Parameter(torch.randn(30, 30))
+    opt = SparseZOSGD([w], sparsity=0.5, lr=1.0, seed=0)
+    start_mask = opt.param_masks()[0][1].clone()
+    for _ in range(3):
+        opt.step(lambda: (w**2).sum())
+    assert torch.equal(opt.param_masks()[0][1], start_mask)  # not recomputed from the moved weights
+    assert not torch.equal(magnitude_mask(w, 0.5), start_mask)  # (which would differ by now)
+    w2 = torch.nn.Parameter(w.detach().clone())
+    resumed = SparseZOSGD([w2], sparsity=0.5, lr=1.0, seed=0)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert torch.equal(resumed.param_masks()[0][1], start_mask)
+
+
+@pytest.mark.parametrize(
+    "values,field",
+    [({"sparsity": 1.0}, "optimizer.sparsity"), ({"mask": "top"}, "optimizer.mask"),
+     ({"weight_decay": 0.01}, "optimizer.weight_decay"), ({"eps": 0.0}, "optimizer.eps")],
+)
+def test_sparse_mezo_config_errors_name_the_field(values, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        SparseZOSGDConfig(**values)
+
+
+def test_sparse_mezo_with_the_adaptive_schedule_end_to_end(data_dir, tmp_path):
+    # Any method with any schedule: 8 examples at batch 4 = 2 steps an epoch; Q = 1, 1, 2, 2.
+    record = run(compose_cfg(tiny_overrides(
+        data_dir, "method=sparse_mezo", "method.optimizer.mask=random", "schedule=adaptive", "schedule.alpha=2",
+        "schedule.beta=1", "data.num_train=8", "data.num_dev=8", "data.num_eval=8",
+    )), tmp_path)
+    assert record["status"] == "finished"
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["n_queries"]) for r in rows] == [1, 1, 2, 2]
+
+
+# --- dense bottleneck adapters ------------------------------------------------------------------------------
+
+
+def test_bottleneck_adapter_starts_as_the_identity_and_follows_the_placements():
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100)).eval()
+    ids = torch.randint(0, 100, (2, 5))
+    before = model(ids).logits
+    model = add_bottleneck_adapters(model, BottleneckAdapterConfig(bottleneck=8))
+    assert torch.allclose(model(ids).logits, before, atol=1e-6)  # zero up-projection
+    assert sum(isinstance(m, BottleneckAdapter) for m in model.modules()) == 4  # attn.c_proj + mlp.c_proj, 2 layers
+    model.config.model_type = "mystery"
+    with pytest.raises(ConfigError, match=r"adapter\.targets"):
+        add_bottleneck_adapters(model, BottleneckAdapterConfig())
+
+
+@pytest.mark.parametrize(
+    "values,field",
+    [({"bottleneck": 0}, "adapter.bottleneck"), ({"placement": "everywhere"}, "adapter.placement"),
+     ({"targets": [{"pattern": "x"}]}, r"adapter.targets\[0\]")],
+)
+def test_bottleneck_config_errors_name_the_field(values, field):
+    with pytest.raises(ConfigError, match=field):
+        BottleneckAdapterConfig(**values)
+
+
+# --- gradient accumulation ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("grad_accum", [2, 3])
+def test_gradient_accumulation_equals_one_big_batch(grad_accum, data_dir):
+    s, model, tok, named = build(data_dir, "ft", "method.optimizer.lr=0")
+    data = load_task(s.task, s.data, "causal", 0)
+    items = encode(data.train[:8], tok, "causal", 256)  # prompts of different lengths: padding differs per micro-batch
+    other = copy.deepcopy(model)
+    grads = {}
+    for m, accum in ((model, 1), (other, grad_accum)):
+        opt = OPTIMIZERS.get("adamw").builder([(n, p) for n, p in m.named_parameters() if p.requires_grad],
+                                             s.optimizer.config, 0)
+        loss = first_order_step(m, opt, items, accum, "causal", tok.pad_token_id, None, torch.device("cpu"))
+        grads[accum] = (float(loss), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    (loss_one, g_one), (loss_acc, g_acc) = grads[1], grads[grad_accum]
+    assert loss_acc == pytest.approx(loss_one, rel=1e-5)
+    assert g_one.keys() == g_acc.keys() and len(g_one) == len(named)
+    for name in g_one:
+        assert torch.allclose(g_acc[name], g_one[name], rtol=1e-4, atol=1e-7), name
+
+
+# --- in-context learning -----------------------------------------------------------------------------------
+
+
+def _examples(n: int) -> list[Example]:
+    return [Example(f"review {i} It was", [" terrible", " great"], i % 2) for i in range(n)]
+
+
+def test_demonstrations_are_seeded_distinct_train_examples():
+    train = _examples(50)
+    a, b, c = (sample_demonstrations(train, 8, seed) for seed in (0, 0, 1))
+    assert a == b and a != c and len({e.prompt for e in a}) == 8
+    with pytest.raises(ConfigError, match="demonstrations.k=51"):
+        sample_demonstrations(train, 51, 0)
+    with pytest.raises(ConfigError, match="demonstrations.k=0"):
+        DemonstrationConfig(k=0)
+
+
+def test_demonstrations_precede_the_prompt_and_truncation_keeps_the_test_example_whole():
+    tok = byte_tokenizer()
+    demos, test = _examples(4), Example("the test sentence It was", [" terrible", " great"], 1)
+    (full,) = prepend_demonstrations([test], demos, "\n\n", "causal", fits_in(tok, "causal", 384))
+    blocks = [demonstration_text(d, "causal") for d in demos]
+    assert blocks[1] == "review 1 It was great"  # the gold answer follows each demonstration's prompt
+    assert full.prompt == "\n\n".join(blocks + [test.prompt]) and full.meta["demonstrations"] == 4
+    # Room for about two demonstrations: the oldest are dropped whole, the test example stays whole.
+    budget = len(tok("\n\n".join(blocks[2:] + [test.prompt]))["input_ids"]) + 1
+    (cut,) = prepend_demonstrations([test], demos, "\n\n", "causal", fits_in(tok, "causal", budget))
+    assert cut.prompt == "\n\n".join(blocks[2:] + [test.prompt]) and cut.meta["demonstrations"] == 2
+    (none,) = prepend_demonstrations([test], demos, "\n\n", "causal", fits_in(tok, "causal", 8))
+    assert none.prompt == test.prompt and none.meta["demonstrations"] == 0
+
+
+def test_masked_demonstrations_fill_the_mask_with_the_gold_word():
+    demo = Example("fine film It was <mask> .", ["terrible", "great"], 1)
+    assert demonstration_text(demo, "masked", "<mask>") == "fine film It was great ."
+
+
+def test_icl_run_prepends_demonstrations_to_dev_and_test(data_dir, tmp_path):
+    record = run(compose_cfg(tiny_overrides(data_dir, "method=icl", "method.demonstrations.k=2")), tmp_path)
+    assert record["status"] == "finished" and record["trainable_params"] == 0
+    assert record["demonstrations"] == 2  # both fit in tiny-llama's 384 tokens
+    with pytest.raises(ConfigError, match="training-free"):
+        cfg = compose_cfg(tiny_overrides(data_dir, "method=icl"))
+        cfg.method.optimizer = {"kind": "zo_sgd"}
+        parse(cfg)
+
+
+# --- linear probing ----------------------------------------------------------------------------------------
+
+
+def test_probe_selects_c_on_dev_and_separates_separable_features():
+    rng = np.random.RandomState(0)
+    y = rng.randint(0, 3, 300)
+    x = rng.randn(300, 5) + 3 * np.eye(3, 5)[y]
+    probe, grid = fit_probe(x[:200], y[:200], x[200:], y[200:], ProbeConfig(C=[1e-4, 1.0]), num_classes=3)
+    assert set(grid) == {1e-4, 1.0} and probe.C == max(grid, key=grid.get)
+    result = probe.evaluate(x[200:], y[200:])
+    assert result.accuracy > 0.9 and result.loss < math.log(3) and result.n == 100
+    with pytest.raises(ConfigError, match="single class"):
+        fit_probe(x[:10], np.zeros(10, dtype=int), x[10:20], y[10:20], ProbeConfig(), num_classes=3)
+    with pytest.raises(ConfigError, match="probe.C"):
+        ProbeConfig(C=[0.0])
+
+
+def test_probe_features_are_the_last_prompt_token_whatever_the_padding(data_dir):
+    s, model, tok, _ = build(data_dir, "lp")
+    data = load_task(s.task, s.data, "causal", 0)
+    items = encode(data.train[:5], tok, "causal", 256)
+    batched = prompt_features(model, items, "causal", 5, torch.device("cpu"), tok.pad_token_id, None)
+    alone = prompt_features(model, items[2:3], "causal", 1, torch.device("cpu"), tok.pad_token_id, None)
+    assert batched.shape == (5, 32)
+    assert np.allclose(batched[2], alone[0], atol=1e-5)
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.tensor([items[2].prompt])).last_hidden_state[0, -1]
+    assert np.allclose(alone[0], hidden.numpy(), atol=1e-5)
+
+
+def test_lp_run_writes_dev_and_test_results(data_dir, tmp_path):
+    record = run(compose_cfg(tiny_overrides(data_dir, "method=lp", "method.probe.C=[0.1,10]")), tmp_path)
+    assert record["status"] == "finished" and record["steps"] == 0 and record["trainable_params"] == 0
+    assert record["probe"]["C"] in (0.1, 10.0) and set(record["probe"]["dev_accuracy_per_C"]) == {"0.1", "10.0"}
+    saved = json.loads((tmp_path / "result.json").read_text())
+    assert 0 <= saved["dev_accuracy"] <= 1 and 0 <= saved["test_accuracy"] <= 1
+    with open(tmp_path / "eval.csv") as f:
+        assert [r["split"] for r in csv.DictReader(f)] == ["dev", "test"]
+    with pytest.raises(ConfigError, match="classifies"):
+        parse(compose_cfg(tiny_overrides(data_dir, "method=lp", "task=squad")))
+
+
+# --- memory estimates --------------------------------------------------------------------------------------
+
+
+def _estimate(method: str, *extra: str) -> dict[str, float]:
+    """The dry-run estimate for SmolLM2 with illustrative counts: 134.5 M weights, trainable set per method."""
+    s = parse(compose_cfg([f"method={method}", "model=smollm2-135m", *extra]))
+    total = 134_515_008
+    trainable = {"full": total, "none": 0}.get(s.adapter.kind, 1_000_000)
+    return memory_estimate(s, total + (0 if s.adapter.kind in ("full", "none") else trainable), trainable,
+                           largest=28_311_552 if s.adapter.kind == "full" else 36_864)
+
+
+def test_memory_estimate_per_method():
+    est = {m: _estimate(m) for m in ZO_METHODS + FO_METHODS + ["zero_shot"]}
+    inference = est["zero_shot"]
+    for m in ZO_METHODS:  # no backward: no stored activations, no gradients
+        assert est[m]["activations"] == inference["activations"] and est[m]["gradients"] == 0, m
+    for m in FO_METHODS:  # backward runs through every frozen layer too
+        assert est[m]["activations"] == est["ft"]["activations"] > 10 * inference["activations"], m
+        assert est[m]["gradients"] > 0 and est[m]["optimizer_state"] == pytest.approx(2 * est[m]["gradients"], abs=2e-3)
+    assert est["sparse_mezo"]["optimizer_state"] == pytest.approx(134_515_008 / 2**30, abs=1e-3)  # a bool per weight
+    assert est["mezo"]["optimizer_state"] == 0 and est["mezo"]["zo_noise"] > 0
+    assert est["adazeta"]["total"] <= 1.1 * inference["total"]
+    assert est["ft"]["total"] > 3 * inference["total"]
+    batched = _estimate("adazeta", "method.optimizer.batched_queries=true", "method.optimizer.query_chunk=4")
+    assert batched["activations"] == pytest.approx(4 * est["adazeta"]["activations"], rel=1e-2)
+    bf16 = _estimate("ft", "model.dtype=bf16")
+    assert bf16["gradients"] == pytest.approx(est["ft"]["gradients"] / 2, abs=1e-3)  # grads in the weights' dtype
+
+
+# --- every adapter on every architecture -------------------------------------------------------------------
+
+
+def _tiny(model_type: str) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
+    extra = {
+        "gpt2": dict(n_embd=32, n_layer=2, n_head=4, vocab_size=100),
+        "opt": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, vocab_size=100,
+                    word_embed_proj_dim=32),
+    }
+    kwargs = extra.get(model_type, {**common, "num_key_value_heads": 2, "head_dim": 8}
+                       if model_type not in ("bert", "roberta") else common)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(0)
+    auto = AutoModelForMaskedLM if model_type in ("bert", "roberta") else AutoModelForCausalLM
+    return auto.from_config(config).eval()
+
+
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "opt", "gpt2", "bert", "roberta"]
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+@pytest.mark.parametrize("kind", ["tt", "bottleneck", "lora"])
+def test_every_adapter_fits_every_architecture(kind, model_type):
+    from adazeta.adapters.lora import LoraAdapterConfig
+    from adazeta.adapters.tt import TTAdapterConfig
+
+    cfg = {"tt": TTAdapterConfig(bottleneck=8, rank=2), "bottleneck": BottleneckAdapterConfig(bottleneck=8),
+           "lora": LoraAdapterConfig(r=2)}[kind]
+    model = ADAPTERS.get(kind).builder(_tiny(model_type), cfg)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if kind == "lora":  # peft's default targets: the attention's query and value projections
+        assert names and all("lora_" in n and any(t in n for t in ("q_proj", "v_proj", "query", "value", "c_attn"))
+                             for n in names)
+    else:
+        assert names and all(".adapter." in n for n in names)
+        # TT (official): gate/up inputs and down output on the Llama family, 3 per layer; elsewhere 2 per layer.
+        # Dense (paper): after the attention and feed-forward sub-layers, 2 per layer.
+        per_layer = 3 if kind == "tt" and model_type not in ("opt", "gpt2", "bert", "roberta") else 2
+        assert sum(isinstance(m, (TTAdapter, BottleneckAdapter)) for m in model.modules()) == 2 * per_layer
+    ids = torch.randint(5, 100, (2, 6))
+    out = model(input_ids=ids).logits
+    assert out.shape == (2, 6, 100) and torch.isfinite(out).all()
+
+
+def test_memory_benchmark_worker_runs_each_kind_of_step(data_dir):
+    import argparse
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "scripts" / "bench_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(model="tiny-llama", task="rte", batch_size=4, steps=1, set=[f"data.dir={data_dir}"])
+    rows = {m: bench.worker(m, args) for m in ("inference", "ft", "adazeta")}  # forward, AdamW step, ZO step
+    trainable = {m: r["trainable_params"] for m, r in rows.items()}
+    assert trainable["inference"] == 0 and trainable["ft"] > trainable["adazeta"] > 0
+    assert all(r["peak_mem_mb"] > 0 and r["device"] == "cpu" for r in rows.values())
