@@ -15,7 +15,15 @@ import torch
 from torch import Tensor, nn
 
 from adazeta.adapters import ADAPTERS
-from adazeta.adapters.tt import ACTIVATIONS, PLACEMENT_NAMES, POSITIONS, AdaptedLinear, linear_features, resolve_targets
+from adazeta.adapters.tt import (
+    ACTIVATIONS,
+    PLACEMENT_NAMES,
+    POSITIONS,
+    AdaptedLinear,
+    linear_features,
+    match_targets,
+    resolve_targets,
+)
 from adazeta.errors import ConfigError
 
 
@@ -85,26 +93,9 @@ def add_bottleneck_adapters(model: nn.Module, cfg: BottleneckAdapterConfig) -> n
 
     Initialisation draws from the global RNG (seeded once by the runner), like any ``nn.Linear``.
     """
-    targets = resolve_targets(model, cfg)  # same table and same error for unknown architectures as TT
     model.requires_grad_(False)
-    chosen: dict[str, str] = {}
-    hits = {pattern: 0 for pattern, _ in targets}
-    for name, module in model.named_modules():
-        if linear_features(module) is None:
-            continue
-        for pattern, position in targets:
-            if re.search(pattern, name):
-                if name in chosen:
-                    raise ConfigError(f"adapter: module {name!r} is matched by more than one target pattern")
-                chosen[name], hits[pattern] = position, hits[pattern] + 1
-    missing = [pattern for pattern, n in hits.items() if n == 0]
-    if missing:
-        raise ConfigError(
-            f"adapter: pattern(s) {', '.join(map(repr, missing))} match no linear layer of this model; "
-            f"check adapter.targets or adapter.placement"
-        )
-    for name, position in chosen.items():
-        base = model.get_submodule(name)
+    # The same placement table, matching rules and errors as the TT adapters.
+    for name, (base, position) in match_targets(model, resolve_targets(model, cfg)).items():
         fan_in, fan_out = linear_features(base)
         features = fan_in if position == "input" else fan_out
         adapter = BottleneckAdapter(features, cfg.bottleneck, cfg.activation, device=base.weight.device)

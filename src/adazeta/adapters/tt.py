@@ -284,6 +284,28 @@ def resolve_targets(model: nn.Module, cfg: TTAdapterConfig) -> list[tuple[str, s
     return PLACEMENTS[model_type][cfg.placement]
 
 
+def match_targets(model: nn.Module, targets: list[tuple[str, str]]) -> dict[str, tuple[nn.Module, str]]:
+    """Linear layers to adapt: module name -> (layer, position). Every pattern must match; none may overlap."""
+    chosen: dict[str, tuple[nn.Module, str]] = {}
+    hits = {pattern: 0 for pattern, _ in targets}
+    for name, module in model.named_modules():
+        if linear_features(module) is None:
+            continue
+        for pattern, position in targets:
+            if re.search(pattern, name):
+                if name in chosen:
+                    raise ConfigError(f"adapter: module {name!r} is matched by more than one target pattern")
+                chosen[name] = (module, position)
+                hits[pattern] += 1
+    missing = [pattern for pattern, n in hits.items() if n == 0]
+    if missing:
+        raise ConfigError(
+            f"adapter: pattern(s) {', '.join(map(repr, missing))} match no linear layer of this model; "
+            f"check adapter.targets or adapter.placement"
+        )
+    return chosen
+
+
 def count_adapters(model: nn.Module) -> int:
     """Number of TT adapters in ``model``."""
     return sum(isinstance(m, TTAdapter) for m in model.modules())
@@ -296,27 +318,8 @@ def add_tt_adapters(model: nn.Module, cfg: TTAdapterConfig, generator: torch.Gen
     Adapters are float32 and live on their layer's device (meta included: nothing is drawn there).
     ``generator`` (optional) makes their initialization independent of the global RNG.
     """
-    targets = resolve_targets(model, cfg)
     model.requires_grad_(False)
-    chosen: dict[str, str] = {}
-    hits = {pattern: 0 for pattern, _ in targets}
-    for name, module in model.named_modules():
-        if linear_features(module) is None:
-            continue
-        for pattern, position in targets:
-            if re.search(pattern, name):
-                if name in chosen:
-                    raise ConfigError(f"adapter: module {name!r} is matched by more than one target pattern")
-                chosen[name] = position
-                hits[pattern] += 1
-    missing = [pattern for pattern, n in hits.items() if n == 0]
-    if missing:
-        raise ConfigError(
-            f"adapter: pattern(s) {', '.join(map(repr, missing))} match no linear layer of this model; "
-            f"check adapter.targets or adapter.placement"
-        )
-    for name, position in chosen.items():
-        base = model.get_submodule(name)
+    for name, (base, position) in match_targets(model, resolve_targets(model, cfg)).items():
         fan_in, fan_out = linear_features(base)
         features = fan_in if position == "input" else fan_out
         down, up = cfg.shapes(features)
