@@ -14,6 +14,7 @@ from adazeta import generation
 from adazeta.errors import ConfigError
 from adazeta.generation import GenerationSet, answer_text, generation_metrics, greedy_generate, stop_token_ids
 from adazeta.models import ModelConfig, load_model
+from adazeta.tracking import EVAL_COLUMNS
 from adazeta.run import run
 from adazeta.scoring import batch_loss, candidate_scores, collate, encode, objective_loss
 from adazeta.tasks.metrics import best_exact_match, best_f1, exact_match, normalize_answer, token_f1
@@ -123,7 +124,7 @@ def test_generation_task_records_f1_and_em(monkeypatch, tmp_path):
     assert saved["test_accuracy"] == saved["test_f1"]  # the accuracy column holds the task's main metric
     with open(tmp_path / "eval.csv") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == ["step", "split", "loss", "accuracy"]
+    assert list(rows[0]) == EVAL_COLUMNS
     assert float(rows[-1]["accuracy"]) == pytest.approx(record["test_f1"])
     assert float(rows[-1]["loss"]) > 0  # the LM loss of the gold answer
 

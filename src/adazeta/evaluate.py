@@ -20,6 +20,13 @@ class EvalResult:
     accuracy: float  # the task's main metric: accuracy, or F1 of the generations for generation tasks
     n: int
     metrics: dict[str, float] = field(default_factory=dict)  # generation tasks: f1 and em
+    # Fraction of examples (with two or more candidates) whose candidates all score the same, to TIE_TOL: a
+    # healthy model almost never ties; a model whose residual stream overflowed float32 (the final norm then
+    # outputs zeros, every logit is 0) ties on every example, and its loss is exactly ln(#candidates).
+    tied: float = 0.0
+
+
+TIE_TOL = 1e-6  # candidate scores (mean log-likelihoods or logits) this close count as equal
 
 
 @torch.no_grad()
@@ -36,14 +43,17 @@ def evaluate(
     """
     was_training = model.training
     model.eval()
-    loss_sum = correct = None
+    loss_sum = correct = tied = multi = None
     n = 0
     for batch in batches:
         scores = candidate_scores(model, batch, family)
         loss = objective_loss(scores, batch.gold, objective, reduction="sum")
         hits = (scores.argmax(dim=1) == batch.gold).sum()
+        ties, several = tie_counts(scores)
         loss_sum = loss if loss_sum is None else loss_sum + loss
         correct = hits if correct is None else correct + hits
+        tied = ties if tied is None else tied + ties
+        multi = several if multi is None else multi + several
         n += batch.num_examples
     metrics = {}
     if generation is not None:
@@ -54,4 +64,14 @@ def evaluate(
     if n == 0:
         return EvalResult(float("nan"), float("nan"), 0)
     accuracy = metrics["f1"] if generation is not None else float(correct) / n  # the one sync point
-    return EvalResult(float(loss_sum) / n, accuracy, n, metrics)
+    tied_fraction = float(tied) / float(multi) if float(multi) else 0.0
+    return EvalResult(float(loss_sum) / n, accuracy, n, metrics, tied_fraction)
+
+
+def tie_counts(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(examples whose finite candidate scores are all within TIE_TOL, examples with >= 2 finite candidates)."""
+    finite = torch.isfinite(scores)
+    hi = scores.masked_fill(~finite, float("-inf")).amax(dim=1)
+    lo = scores.masked_fill(~finite, float("inf")).amin(dim=1)
+    several = finite.sum(dim=1) >= 2
+    return ((hi - lo <= TIE_TOL) & several).sum(), several.sum()

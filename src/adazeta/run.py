@@ -18,21 +18,23 @@ from typing import Any
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
 import adazeta.adapters  # noqa: F401  (registers the built-in adapters)
 import adazeta.optim  # noqa: F401  (registers the built-in optimizers)
 from adazeta.adapters import ADAPTERS
 from adazeta.errors import ConfigError
 from adazeta.icl import DemonstrationConfig, add_demonstrations_
-from adazeta.models import ModelConfig, count_parameters, load_model, resolve_source
+from adazeta.models import LoadedModel, ModelConfig, count_parameters, load_model, resolve_source
 from adazeta.optim import OPTIMIZERS
+from adazeta.optim.zo_sgd import ZOSGDConfig
 from adazeta.probe import ProbeConfig, linear_probe
 from adazeta.registry import make_config
 from adazeta.results import device_info, git_state, package_versions, read_result, write_result
 from adazeta.optim.batched import replica_sites
-from adazeta.schedules import SCHEDULES, mean_queries
-from adazeta.scoring import batches, encode, packing_supported
-from adazeta.tasks.loaders import DataConfig, check_data, load_task
+from adazeta.schedules import SCHEDULES, Schedule, budget_steps, mean_queries
+from adazeta.scoring import Encoded, batches, encode, packing_supported
+from adazeta.tasks.loaders import DataConfig, TaskData, check_data, load_task
 from adazeta.tasks.objectives import build_objective
 from adazeta.tasks.spec import TaskSpec
 from adazeta.tracking import DivergenceConfig, DivergenceMonitor, Tracker, WandbConfig, peak_memory_mb, reset_peak_memory
@@ -139,6 +141,16 @@ def parse(cfg: DictConfig) -> Settings:
     return settings
 
 
+def compose_settings(overrides: list[str]) -> Settings:
+    """The settings ``adazeta-run <overrides>`` would run, for scripts that use the runner's wiring."""
+    from hydra import compose, initialize_config_dir
+
+    from adazeta.cli import config_dir
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return parse(compose(config_name="config", overrides=overrides))
+
+
 def preflight(s: Settings) -> None:
     """Checks that need no model: adapter shapes against the architecture, local model and data files."""
     hidden = s.model.hidden_size
@@ -155,6 +167,89 @@ def preflight(s: Settings) -> None:
             f"method {s.method!r}: method.optimizer.batched_queries=true needs an adapter method (tt, lora, "
             f"bottleneck), not adapter.kind=full; set method.optimizer.batched_queries=false"
         )
+
+
+
+@dataclass
+class Built:
+    """A run's pieces, wired from its settings: what ``execute`` trains and what scripts (probes, benchmarks) use."""
+
+    loaded: LoadedModel
+    model: nn.Module  # the backbone with the method's adapter; only the trainable set requires grad
+    data: TaskData
+    enc: dict[str, list[Encoded]]  # train, dev, eval
+    named: list[tuple[str, torch.Tensor]]  # the trainable parameters
+    optimizer: torch.optim.Optimizer | None
+    schedule: Schedule
+    total_params: int
+    trainable_params: int
+    schedule_epochs: float | None = None  # E the schedule was built for, when a forward-pass budget set it
+    demonstrations: float | None = None  # ICL: mean number of demonstrations per test prompt
+
+    @property
+    def device(self) -> torch.device:
+        return self.loaded.device
+
+    @property
+    def family(self) -> str:
+        return self.loaded.family
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
+
+
+def build(s: Settings) -> Built:
+    """Model + adapter -> task data -> optimizer + query schedule, as every run wires them."""
+    loaded = load_model(s.model, seed=s.seed)
+    if s.model.dtype != "fp32" and s.adapter.kind == "full" and s.optimizer and s.optimizer.kind == "zo_sgd":
+        log.warning("ZO perturbations of %s weights lose precision (SPEC §8); prefer model.dtype=fp32", s.model.dtype)
+    model = ADAPTERS.get(s.adapter.kind).builder(loaded.model, s.adapter.config)
+    total, trainable = count_parameters(model)
+    log.info("model %s from %s on %s: %s parameters, %s trainable (%s)", s.model.name, loaded.source.kind,
+             loaded.device, f"{total:,}", f"{trainable:,}", s.adapter.kind)
+    family, tok = loaded.family, loaded.tokenizer
+    data = load_task(s.task, s.data, family, s.seed, getattr(tok, "mask_token", None))
+    demonstrations = None
+    if s.demonstrations is not None:  # ICL: the mean number of demonstrations that fit a test prompt
+        demonstrations = add_demonstrations_(data, s.demonstrations, tok, family, s.model.max_length, s.seed)
+    enc = {split: encode(getattr(data, split), tok, family, s.model.max_length) for split in ("train", "dev", "eval")}
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = None
+    if s.optimizer is not None:
+        if not named:
+            raise ConfigError(f"method {s.method!r} has an optimizer but nothing to train")
+        optimizer = OPTIMIZERS.get(s.optimizer.kind).builder(named, s.optimizer.config, s.seed)
+    num_epochs, budget_epochs = schedule_epochs(s, len(data.train))
+    schedule = SCHEDULES.get(s.schedule.kind).builder(s.schedule.config, num_epochs)
+    log.info("task %s: %d train / %d dev / %d test examples from %s", s.task.name, len(data.train),
+             len(data.dev), len(data.eval), data.source)
+    return Built(loaded, model, data, enc, named, optimizer, schedule, total, trainable, budget_epochs, demonstrations)
+
+
+def schedule_epochs(s: Settings, num_train: int) -> tuple[float, float | None]:
+    """(E for the query schedule, E again when a forward-pass budget decided it, else None).
+
+    E is ``max_steps`` epochs (SPEC §4) unless ``train.max_forward_passes`` ends the run first: then the
+    reference schedule's exponent is derived from the epochs the budget actually reaches, so that its last
+    epoch, not an epoch the run never sees, gets Q = q_target.
+    """
+    per_epoch = num_train / s.train.batch_size
+    epochs = s.train.max_steps / per_epoch
+    budget = s.train.max_forward_passes
+    zo = s.optimizer is not None and isinstance(s.optimizer.config, ZOSGDConfig)
+    if budget is None or not zo or s.schedule.kind != "adaptive_official":
+        return epochs, None
+    central = s.optimizer.config.estimator == "central"
+    steps = budget_steps(
+        lambda e: SCHEDULES.get(s.schedule.kind).builder(s.schedule.config, e),
+        steps_per_epoch(num_train, s.train.batch_size),
+        per_epoch,
+        budget,
+        forwards=(lambda q: 2 * q) if central else (lambda q: q + 1),
+        max_steps=s.train.max_steps,
+    )
+    return steps / per_epoch, steps / per_epoch
 
 
 def seed_everything(seed: int) -> None:
@@ -205,46 +300,31 @@ def execute(s: Settings, run_dir: Path) -> dict[str, Any]:
     }
     tracker = None
     try:
-        loaded = load_model(s.model, seed=s.seed)
-        device = loaded.device
-        reset_peak_memory(device)
-        if s.model.dtype != "fp32" and s.adapter.kind == "full" and s.optimizer and s.optimizer.kind == "zo_sgd":
-            log.warning("ZO perturbations of %s weights lose precision (SPEC §8); prefer model.dtype=fp32", s.model.dtype)
-        model = ADAPTERS.get(s.adapter.kind).builder(loaded.model, s.adapter.config)
-        total, trainable = count_parameters(model)
-        log.info("model %s from %s on %s: %s parameters, %s trainable (%s)", s.model.name, loaded.source.kind,
-                 device, f"{total:,}", f"{trainable:,}", s.adapter.kind)
-        family, tok = loaded.family, loaded.tokenizer
-        data = load_task(s.task, s.data, family, s.seed, getattr(tok, "mask_token", None))
-        if s.demonstrations is not None:  # ICL: the mean number of demonstrations that fit a test prompt
-            record["demonstrations"] = add_demonstrations_(data, s.demonstrations, tok, family, s.model.max_length, s.seed)
-        enc = {split: encode(getattr(data, split), tok, family, s.model.max_length) for split in ("train", "dev", "eval")}
+        b = build(s)
+        reset_peak_memory(b.device)
+        model, family, tok, data, enc, named = b.model, b.family, b.tokenizer, b.data, b.enc, b.named
+        optimizer, schedule, device = b.optimizer, b.schedule, b.device
+        if b.demonstrations is not None:
+            record["demonstrations"] = b.demonstrations
 
         def collated(split: str) -> list:
-            return [b.to(device) for b in batches(enc[split], s.train.eval_batch_size, family, tok, sort=True)]
+            return [x.to(device) for x in batches(enc[split], s.train.eval_batch_size, family, tok, sort=True)]
 
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        optimizer = None
-        if s.optimizer is not None:
-            if not named:
-                raise ConfigError(f"method {s.method!r} has an optimizer but nothing to train")
-            optimizer = OPTIMIZERS.get(s.optimizer.kind).builder(named, s.optimizer.config, s.seed)
-        num_epochs = s.train.max_steps / (len(data.train) / s.train.batch_size)
-        schedule = SCHEDULES.get(s.schedule.kind).builder(s.schedule.config, num_epochs)
-        log.info("task %s: %d train / %d dev / %d test examples from %s", s.task.name, len(data.train),
-                 len(data.dev), len(data.eval), data.source)
         record.update(
-            total_params=total,
-            trainable_params=trainable,
+            total_params=b.total_params,
+            trainable_params=b.trainable_params,
             num_train=len(data.train),
             num_dev=len(data.dev),
             num_eval=len(data.eval),
             data_source=data.source,
-            model_source=dataclasses.asdict(loaded.source),
+            model_source=dataclasses.asdict(b.loaded.source),
         )
+        if b.schedule_epochs is not None:
+            record["schedule_epochs"] = b.schedule_epochs
         if optimizer is not None and getattr(optimizer, "zeroth_order", False):
             per_epoch = steps_per_epoch(len(data.train), s.train.batch_size)
-            record["mean_queries"] = mean_queries(schedule, per_epoch, s.train.max_steps)
+            planned = round(b.schedule_epochs * len(data.train) / s.train.batch_size) if b.schedule_epochs else None
+            record["mean_queries"] = mean_queries(schedule, per_epoch, planned or s.train.max_steps)
             record["zo"] = {k: getattr(optimizer, k, None) for k in ("estimator", "batched_queries", "query_chunk")}
             if getattr(optimizer, "batched_queries", False):  # every trainable parameter must sit in a module that runs replicas
                 replica_sites(model, [p for _, p in named])

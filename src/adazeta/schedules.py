@@ -62,6 +62,39 @@ def mean_queries(schedule: Schedule, steps_per_epoch: float, max_steps: int) -> 
     return sum(schedule(epoch_of(k, steps_per_epoch)) for k in range(max_steps)) / max_steps
 
 
+def budget_steps(
+    build: Callable[[float], Schedule],
+    loop_steps_per_epoch: int,
+    epoch_steps: float,
+    budget: int,
+    forwards: Callable[[int], int],
+    max_steps: int,
+) -> int:
+    """Steps K of a run that a forward-pass budget ends, when the schedule itself depends on K.
+
+    ``build(E)`` gives the schedule for a run of E epochs, E = K / ``epoch_steps``; the loop's epoch of step k
+    (from 0) is ``k // loop_steps_per_epoch`` and a step at Q queries costs ``forwards(Q)``. The run stops at the
+    first step whose cumulative forwards reach ``budget``. Returns the largest K such that a schedule built for
+    K steps ends the run at step K: starting from the most steps the budget allows, K only shrinks (more epochs
+    mean a flatter schedule, so more steps), so the iteration stops at that fixed point.
+    """
+
+    def steps_until_budget(schedule: Schedule) -> int:
+        spent = 0
+        for k in range(max_steps):
+            spent += forwards(schedule(k // loop_steps_per_epoch))
+            if spent >= budget:
+                return k + 1
+        return max_steps
+
+    steps = min(max_steps, -(-budget // forwards(1)))
+    while True:
+        nxt = steps_until_budget(build(steps / epoch_steps))
+        if nxt >= steps:
+            return steps
+        steps = nxt
+
+
 def _fail(field: str, value: object, allowed: str) -> None:
     raise ConfigError(f"schedule.{field}={value!r} must be {allowed}")
 

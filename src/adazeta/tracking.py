@@ -18,8 +18,10 @@ import torch
 
 from adazeta.errors import ConfigError
 
-STEP_COLUMNS = ["step", "epoch", "loss", "n_queries", "forward_passes", "lr", "step_time_s", "peak_mem_mb"]
-EVAL_COLUMNS = ["step", "split", "loss", "accuracy"]
+# param_norm: L2 norm of the trainable set after the step. Under ZO-SGD it climbs as a random walk (each step
+# adds lr * g * z, ||z|| ~ sqrt(d)); its growth is the early sign of the drift that ends in a collapse.
+STEP_COLUMNS = ["step", "epoch", "loss", "n_queries", "forward_passes", "lr", "step_time_s", "peak_mem_mb", "param_norm"]
+EVAL_COLUMNS = ["step", "split", "loss", "accuracy", "tied"]
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 
@@ -36,45 +38,76 @@ class WandbConfig:
             raise ConfigError(f"wandb.mode={self.mode!r} is not one of {', '.join(WANDB_MODES)}")
 
 
+DIVERGENCE_RULES = ("best", "initial")
+
+
 @dataclass
 class DivergenceConfig:
-    """A run has diverged on a non-finite loss, or when dev loss > factor x the initial one `patience` times in a row."""
+    """When a run has diverged: a non-finite loss at once; a collapsed evaluation at once (``collapse``); or a
+    dev loss above ``factor`` x a reference for ``patience`` evaluations in a row.
 
-    factor: float = 2.0
+    rule ``best``: the reference is the best dev loss seen so far, so a run that learned and then climbs back
+    (Figure 1's MeZO-LoRA: 0.36 -> 0.7) is caught; ``initial``: the first dev loss (the older, laxer rule: a
+    run that starts high can fall and climb back to its start unnoticed).
+    """
+
+    rule: str = "best"
+    factor: float = 1.5
     patience: int = 3
+    # A dev evaluation where most examples' candidates all score the same (the residual stream overflowed and
+    # the final norm returned zeros) ends the run: its finite loss, ln(#candidates), would look like progress.
+    collapse: bool = True
+    collapse_fraction: float = 0.5  # share of tied examples that counts as collapsed
 
     def __post_init__(self) -> None:
+        if self.rule not in DIVERGENCE_RULES:
+            raise ConfigError(f"divergence.rule={self.rule!r} is not one of {', '.join(DIVERGENCE_RULES)}")
         if self.factor <= 1.0:
             raise ConfigError(f"divergence.factor={self.factor} must be > 1")
         if self.patience < 1:
             raise ConfigError(f"divergence.patience={self.patience} must be >= 1")
+        if not 0.0 < self.collapse_fraction <= 1.0:
+            raise ConfigError(f"divergence.collapse_fraction={self.collapse_fraction} must be in (0, 1]")
 
 
 class DivergenceMonitor:
-    """Tracks the dev loss against the first one; ``update`` returns a reason string once the run has diverged."""
+    """Tracks the dev loss; ``update`` returns a reason string once the run has diverged, else None."""
 
     def __init__(self, cfg: DivergenceConfig):
         self.cfg = cfg
         self.initial: float | None = None
+        self.best: float | None = None
         self.strikes = 0
 
     @staticmethod
     def non_finite(loss: float) -> str | None:
         return None if math.isfinite(loss) else f"non-finite training loss ({loss})"
 
-    def update(self, dev_loss: float) -> str | None:
+    def collapsed(self, tied: float) -> bool:
+        """Whether an evaluation with this tied fraction is a collapsed model (see DivergenceConfig.collapse)."""
+        return tied >= self.cfg.collapse_fraction
+
+    def update(self, dev_loss: float, tied: float = 0.0) -> str | None:
         if not math.isfinite(dev_loss):
             return f"non-finite dev loss ({dev_loss})"
+        if self.cfg.collapse and self.collapsed(tied):
+            return (
+                f"collapsed: {tied:.0%} of dev examples score all candidates the same (dev loss {dev_loss:.6f}); "
+                f"the residual stream overflowed float32"
+            )
         if self.initial is None:
-            self.initial = dev_loss
+            self.initial = self.best = dev_loss
             return None
-        if dev_loss > self.cfg.factor * self.initial:
+        reference = self.best if self.cfg.rule == "best" else self.initial
+        if dev_loss > self.cfg.factor * reference:
             self.strikes += 1
         else:
             self.strikes = 0
+        self.best = min(self.best, dev_loss)
         if self.strikes >= self.cfg.patience:
+            what = "the best" if self.cfg.rule == "best" else "the initial"
             return (
-                f"dev loss {dev_loss:.4f} above {self.cfg.factor} x initial {self.initial:.4f} "
+                f"dev loss {dev_loss:.4f} above {self.cfg.factor} x {what} dev loss {reference:.4f} "
                 f"for {self.strikes} evaluations in a row"
             )
         return None
@@ -165,10 +198,10 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=row["step"])
 
-    def log_eval(self, step: int, split: str, loss: float, accuracy: float) -> None:
-        self.evals.write({"step": step, "split": split, "loss": loss, "accuracy": accuracy})
+    def log_eval(self, step: int, split: str, loss: float, accuracy: float, tied: float = 0.0) -> None:
+        self.evals.write({"step": step, "split": split, "loss": loss, "accuracy": accuracy, "tied": tied})
         if self.wandb is not None:
-            self.wandb.log({f"{split}/loss": loss, f"{split}/accuracy": accuracy}, step=step)
+            self.wandb.log({f"{split}/loss": loss, f"{split}/accuracy": accuracy, f"{split}/tied": tied}, step=step)
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.wandb is not None:

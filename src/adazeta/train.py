@@ -32,10 +32,15 @@ class TrainConfig:
     grad_accum: int = 1  # first-order only: micro-batches per step (gradients summed over all of them)
     keep_best: bool = True  # restore the best-dev-loss trainable state before the test evaluation
     max_forward_passes: int | None = None  # stop once this many forwards were spent (equal-compute comparisons)
+    # Evaluate dev each time this many more forward passes were spent, instead of every `eval_every` steps: equal
+    # spacing in compute for methods whose steps cost different numbers of forwards (AdaZeta's Q grows).
+    eval_every_forwards: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_forward_passes is not None and self.max_forward_passes < 1:
             raise ConfigError(f"train.max_forward_passes={self.max_forward_passes} must be >= 1 or null")
+        if self.eval_every_forwards is not None and self.eval_every_forwards < 1:
+            raise ConfigError(f"train.eval_every_forwards={self.eval_every_forwards} must be >= 1 or null")
         for name in ("max_steps", "batch_size", "eval_every", "eval_batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1")
@@ -73,6 +78,13 @@ def load_trainable_state_(model: nn.Module, state: dict[str, torch.Tensor]) -> N
         params[name].copy_(value)
 
 
+@torch.no_grad()
+def param_norm(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all ``params`` together, on their device (fp32 or wider)."""
+    norms = [torch.linalg.vector_norm(p, dtype=torch.float32) for p in params]
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+
+
 def train(
     model: nn.Module,
     family: str,
@@ -104,11 +116,15 @@ def train(
 
     def dev_eval(step: int) -> EvalResult:
         result = evaluate(model, dev_batches, family, obj.kind, obj.dev_generation)
-        tracker.log_eval(step, "dev", result.loss, result.accuracy)
+        tracker.log_eval(step, "dev", result.loss, result.accuracy, result.tied)
         return result
 
     initial = best = dev_eval(0)
-    monitor.update(initial.loss)
+    reason = monitor.update(initial.loss, initial.tied)
+    if reason is not None:  # e.g. an adapter init that already overflows: nothing to train from
+        test = evaluate(model, test_batches, family, obj.kind, obj.test_generation)
+        tracker.log_eval(0, "test", test.loss, test.accuracy, test.tied)
+        return Outcome("diverged", reason, 0, 0, initial, initial, test, 0)
     best_step, best_state = 0, (trainable_state(model) if cfg.keep_best and optimizer else None)
     status, reason, step, forward_passes = "finished", None, 0, 0
 
@@ -117,6 +133,8 @@ def train(
         per_epoch = steps_per_epoch(len(train_items), cfg.batch_size)
         order_gen = torch.Generator().manual_seed(seed)  # data order only; perturbations have their own
         order = torch.randperm(len(train_items), generator=order_gen)
+        trainable = [p for group in optimizer.param_groups for p in group["params"]]
+        last_eval_forwards = 0
         bar = tqdm(total=cfg.max_steps, disable=not show_progress(), desc="train", dynamic_ncols=True)
         for step in range(1, cfg.max_steps + 1):
             epoch, slot = divmod(step - 1, per_epoch)
@@ -146,6 +164,7 @@ def train(
             loss_value = float(loss)  # one host sync per step, never per query
             sync(device)
             step_time = time.perf_counter() - start
+            norm = float(param_norm(trainable))
             tracker.log_step(
                 {
                     "step": step,
@@ -156,18 +175,25 @@ def train(
                     "lr": optimizer.param_groups[0]["lr"],
                     "step_time_s": round(step_time, 4),
                     "peak_mem_mb": round(peak_memory_mb(device), 1),
+                    "param_norm": round(norm, 6),
                 }
             )
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.4f}", q=n_queries)
             reason = monitor.non_finite(loss_value)
             out_of_budget = cfg.max_forward_passes is not None and forward_passes >= cfg.max_forward_passes
-            if reason is None and (step % cfg.eval_every == 0 or step == cfg.max_steps or out_of_budget):
+            if cfg.eval_every_forwards is None:
+                due = step % cfg.eval_every == 0
+            else:
+                due = forward_passes // cfg.eval_every_forwards > last_eval_forwards // cfg.eval_every_forwards
+            if reason is None and (due or step == cfg.max_steps or out_of_budget):
+                last_eval_forwards = forward_passes
                 result = dev_eval(step)
-                if result.loss < best.loss:
+                # A collapsed model's loss (exactly ln #candidates) can be below a high start: never keep it.
+                if result.loss < best.loss and not monitor.collapsed(result.tied):
                     best, best_step = result, step
                     best_state = trainable_state(model) if cfg.keep_best else None
-                reason = monitor.update(result.loss)
+                reason = monitor.update(result.loss, result.tied)
             if reason is not None:
                 status = "diverged"
                 break
@@ -180,7 +206,7 @@ def train(
             best_step = step
 
     test = evaluate(model, test_batches, family, obj.kind, obj.test_generation)
-    tracker.log_eval(best_step, "test", test.loss, test.accuracy)
+    tracker.log_eval(best_step, "test", test.loss, test.accuracy, test.tied)
     return Outcome(status, reason, step, best_step, initial, best, test, forward_passes)
 
 

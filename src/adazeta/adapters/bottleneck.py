@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from adazeta.adapters import ADAPTERS
 from adazeta.adapters.tt import (
     ACTIVATIONS,
+    INITS,
     PLACEMENT_NAMES,
     POSITIONS,
     AdaptedLinear,
@@ -39,8 +40,13 @@ class BottleneckAdapterConfig:
     # Manual placement, replacing the table: [{"pattern": regex searched in module names, "position": "input"
     # or "output"}]. Needed for architectures the placement table does not know.
     targets: list[dict] | None = None
+    # identity (default): `up` starts at zero, so the adapted model equals the backbone at step 0 (Houlsby's
+    # near-identity start); reference: PyTorch's nn.Linear init on both projections, not the identity.
+    init: str = "identity"
 
     def __post_init__(self) -> None:
+        if self.init not in INITS:
+            raise ConfigError(f"adapter.init={self.init!r} is unknown; known: {', '.join(INITS)}")
         if self.bottleneck < 1:
             raise ConfigError(f"adapter.bottleneck={self.bottleneck} must be >= 1")
         if self.placement not in PLACEMENT_NAMES:
@@ -63,12 +69,21 @@ class BottleneckAdapterConfig:
 class BottleneckAdapter(nn.Module):
     """``h -> h + up(act(down(h)))`` with dense fp32 projections, computed in fp32 whatever the dtype of h."""
 
-    def __init__(self, features: int, bottleneck: int, activation: str = "relu", device: torch.device | None = None):
+    def __init__(
+        self,
+        features: int,
+        bottleneck: int,
+        activation: str = "relu",
+        device: torch.device | None = None,
+        init: str = "identity",
+    ):
         super().__init__()
+        if init not in INITS:
+            raise ValueError(f"init={init!r}; known: {', '.join(INITS)}")
         self.down = nn.Linear(features, bottleneck, device=device, dtype=torch.float32)
         self.act = ACTIVATIONS[activation]()
         self.up = nn.Linear(bottleneck, features, device=device, dtype=torch.float32)
-        if self.up.weight.device.type != "meta":
+        if init == "identity" and self.up.weight.device.type != "meta":
             # Zero output projection: the adapter starts as the identity, so step 0 is the frozen model.
             nn.init.zeros_(self.up.weight)
             nn.init.zeros_(self.up.bias)
@@ -98,7 +113,7 @@ def add_bottleneck_adapters(model: nn.Module, cfg: BottleneckAdapterConfig) -> n
     for name, (base, position) in match_targets(model, resolve_targets(model, cfg)).items():
         fan_in, fan_out = linear_features(base)
         features = fan_in if position == "input" else fan_out
-        adapter = BottleneckAdapter(features, cfg.bottleneck, cfg.activation, device=base.weight.device)
+        adapter = BottleneckAdapter(features, cfg.bottleneck, cfg.activation, device=base.weight.device, init=cfg.init)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, AdaptedLinear(base, adapter, position))
     return model

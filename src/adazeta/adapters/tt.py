@@ -21,6 +21,9 @@ from adazeta.errors import ConfigError
 from adazeta.tensor.tt import default_shape, init_cores, split_index, tt_matmul
 
 POSITIONS = ("input", "output")
+# reference: the reference code's init (SPEC §2), not the identity at step 0; identity: the last `up` core and
+# the `up` bias start at zero, so the adapted model equals the backbone at step 0 (as LoRA's B = 0 does).
+INITS = ("reference", "identity")
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {
     "relu": nn.ReLU,
@@ -82,8 +85,13 @@ class TTAdapterConfig:
     # Manual placement, replacing the table: [{"pattern": regex searched in module names, "position": "input"
     # or "output"}]. Needed for architectures PLACEMENTS does not know.
     targets: list[dict] | None = None
+    # reference (default, for fidelity): each adapter moves its site's activations by ~30 % RMS at step 0 on
+    # SmolLM2, so the adapted model starts far from the backbone; identity: starts exactly at the backbone.
+    init: str = "reference"
 
     def __post_init__(self) -> None:
+        if self.init not in INITS:
+            raise ConfigError(f"adapter.init={self.init!r} is unknown; known: {', '.join(INITS)}")
         if self.bottleneck < 1:
             raise ConfigError(f"adapter.bottleneck={self.bottleneck} must be >= 1")
         if self.rank < 1:
@@ -226,11 +234,21 @@ class TTAdapter(nn.Module):
         activation: str = "relu",
         generator: torch.Generator | None = None,
         device: torch.device | str | None = None,
+        init: str = "reference",
     ):
         super().__init__()
+        if init not in INITS:
+            raise ValueError(f"init={init!r}; known: {', '.join(INITS)}")
         self.down = TTLinear(features, bottleneck, shape_down, rank, generator=generator, device=device)
         self.act = ACTIVATIONS[activation]()
         self.up = TTLinear(bottleneck, features, shape_up, rank, generator=generator, device=device)
+        if init == "identity" and self.up.bias.device.type != "meta":
+            # One zero core zeroes the whole `up` matrix, so the adapter adds nothing at step 0. The other cores
+            # keep their reference values: a ZO perturbation moves the zero core and the bias off zero at once,
+            # and from the first update on every core's direction changes the output (first-order, like LoRA's B).
+            with torch.no_grad():
+                self.up.cores[-1].zero_()
+                self.up.bias.zero_()
 
     def forward(self, h: Tensor) -> Tensor:
         x = h.float()
@@ -324,7 +342,8 @@ def add_tt_adapters(model: nn.Module, cfg: TTAdapterConfig, generator: torch.Gen
         features = fan_in if position == "input" else fan_out
         down, up = cfg.shapes(features)
         adapter = TTAdapter(
-            features, cfg.bottleneck, down, up, cfg.rank, cfg.activation, generator=generator, device=base.weight.device
+            features, cfg.bottleneck, down, up, cfg.rank, cfg.activation, generator=generator,
+            device=base.weight.device, init=cfg.init,
         )
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, AdaptedLinear(base, adapter, position))

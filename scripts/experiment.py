@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""Run an experiment made of arms: each arm's lr grid on dev, then seeds at the chosen lr, then a stress test.
+
+    python scripts/experiment.py cpu_zo [--phase select|seeds|stress|all] [--jobs 2] [--threads 1] [--dry]
+                                        [--arms tt_q1,mezo_lora] [extra adazeta-run overrides]
+
+The experiment config (conf/experiment/NAME.yaml) lists `arms` (overrides + lr grid) and `design` (selection
+seed, seeds, stress multipliers, run order). Every run is one `adazeta-run` in its own directory,
+results/runs/NAME/ARM/lr=LR,seed=S; a directory that already holds a finished or diverged result is skipped, so
+the experiment can be interrupted and continued. The lr of an arm is chosen on dev accuracy (ties: dev loss) at
+the selection seed, never on test, and only once its whole grid has run. Stress runs go to NAME_stress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+PHASES = ("select", "seeds", "stress")
+
+
+@dataclass
+class Job:
+    arm: str
+    lr: float
+    seed: int
+    experiment: str
+    overrides: list[str]
+
+    @property
+    def run_dir(self) -> Path:
+        return ROOT / "results" / "runs" / self.experiment / self.arm / f"lr={self.lr:g},seed={self.seed}"
+
+    def done(self) -> bool:
+        return status(self.run_dir) in ("finished", "diverged")
+
+
+def status(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / "result.json").read_text()).get("status")
+    except (OSError, ValueError):
+        return None
+
+
+def record(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "result.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def chosen_lr(name: str, arm: str, spec: dict, seed: int) -> float | None:
+    """The grid's lr with the best dev accuracy at ``seed`` (ties: lower dev loss); None until the grid is done.
+
+    Diverged runs are never chosen (their dev numbers describe a state before the divergence)."""
+    results = []
+    for lr in spec["lr"]:
+        rec = record(Job(arm, float(lr), seed, name, []).run_dir)
+        if rec is None or rec.get("status") not in ("finished", "diverged"):
+            return None
+        if rec["status"] == "finished":
+            results.append((-rec["dev_accuracy"], rec["dev_loss"], float(lr)))
+    return min(results)[2] if results else None
+
+
+def plan(name: str, config: dict, phase: str, arms: list[str] | None) -> list[Job]:
+    design = config.get("design") or {}
+    order = design.get("order") or list(config["arms"])
+    order = [a for a in order if a in config["arms"]] + [a for a in config["arms"] if a not in order]
+    if arms:
+        unknown = sorted(set(arms) - set(config["arms"]))
+        if unknown:
+            sys.exit(f"experiment.py: error: unknown arm(s) {', '.join(unknown)}; known: {', '.join(config['arms'])}")
+        order = [a for a in order if a in arms]
+    select_seed = int(design.get("select_seed", 0))
+    jobs: list[Job] = []
+    if phase in ("select", "all"):
+        # grid points interleaved across arms, so that every arm's grid fills in at the same pace
+        grids = {a: [float(lr) for lr in config["arms"][a]["lr"]] for a in order}
+        for i in range(max(len(g) for g in grids.values())):
+            for a in order:
+                if i < len(grids[a]):
+                    jobs.append(Job(a, grids[a][i], select_seed, name, config["arms"][a]["overrides"]))
+    chosen: dict[str, float] = {}
+    if phase in ("seeds", "stress", "all"):
+        for a in order:
+            lr = chosen_lr(name, a, config["arms"][a], select_seed)
+            if lr is None:
+                print(f"# {phase}: {a}: no lr chosen yet (its grid has not finished, or every run diverged)", flush=True)
+            else:
+                chosen[a] = lr
+    if phase in ("seeds", "all"):
+        for seed in design.get("seeds", [select_seed]):
+            jobs += [Job(a, lr, int(seed), name, config["arms"][a]["overrides"])
+                     for a, lr in chosen.items() if int(seed) != select_seed]
+    if phase in ("stress", "all"):
+        for factor in design.get("stress", []):
+            jobs += [Job(a, lr * float(factor), select_seed, f"{name}_stress", config["arms"][a]["overrides"])
+                     for a, lr in chosen.items() if not config["arms"][a].get("first_order")]
+    return jobs
+
+
+def command(name: str, job: Job, extra: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "adazeta.cli", f"experiment={name}", *job.overrides, f"method.name={job.arm}",
+        f"method.optimizer.lr={job.lr:g}", f"seed={job.seed}", f"experiment_name={job.experiment}",
+        f"hydra.run.dir='{job.run_dir}'", *extra,
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiment")
+    parser.add_argument("--phase", choices=(*PHASES, "all"), default="all")
+    parser.add_argument("--arms", type=lambda s: [a.strip() for a in s.split(",") if a.strip()])
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument("--dry", action="store_true", help="print the commands, run nothing")
+    args, extra = parser.parse_known_args()
+    path = ROOT / "conf" / "experiment" / f"{args.experiment}.yaml"
+    if not path.is_file():
+        sys.exit(f"experiment.py: error: no experiment config {path}")
+    config = yaml.safe_load(path.read_text()) or {}
+    if not config.get("arms"):
+        sys.exit(f"experiment.py: error: {path} has no `arms:` block; run it with adazeta-run -m experiment=...")
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    for var, sub in (("ADAZETA_MODEL_DIR", "models"), ("ADAZETA_DATA_DIR", "data")):
+        if not env.get(var) and (SHARED / sub).is_dir():
+            env[var] = str(SHARED / sub)
+    phases = PHASES if args.phase == "all" else (args.phase,)
+    failed = 0
+    for phase in phases:  # a later phase reads the choices the earlier ones made
+        jobs = plan(args.experiment, config, phase, args.arms)
+        todo = [j for j in jobs if not j.done()]
+        print(f"# {phase}: {len(jobs)} runs, {len(jobs) - len(todo)} already done", flush=True)
+
+        def launch(job: Job) -> int:
+            cmd = command(args.experiment, job, extra)
+            print("$ adazeta-run " + " ".join(shlex.quote(a) for a in cmd[3:]), flush=True)
+            if args.dry:
+                return 0
+            job.run_dir.mkdir(parents=True, exist_ok=True)
+            start = time.time()
+            with open(job.run_dir / "stdout.log", "w") as log:
+                rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+            print(f"# {job.arm} lr={job.lr:g} seed={job.seed}: {status(job.run_dir)} (exit {rc}, "
+                  f"{time.time() - start:.0f} s)", flush=True)
+            return rc
+
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            failed += sum(rc != 0 for rc in pool.map(launch, todo))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""What keeps a ZO run honest: identity adapter init, the divergence rules, collapse detection, budget schedules."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from adazeta.adapters.bottleneck import BottleneckAdapter, BottleneckAdapterConfig, add_bottleneck_adapters
+from adazeta.adapters.tt import TTAdapter, TTAdapterConfig, add_tt_adapters
+from adazeta.errors import ConfigError
+from adazeta.evaluate import evaluate
+from adazeta.models import ModelConfig, load_model
+from adazeta.optim.zo_sgd import ZOSGD
+from adazeta.schedules import AdaptiveOfficialConfig, budget_steps, build_adaptive_official
+from adazeta.scoring import batch_loss, collate, encode
+from adazeta.tasks.spec import Example
+from adazeta.tracking import DivergenceConfig, DivergenceMonitor
+
+TINY_LLAMA = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, vocab_size=300)
+EXAMPLES = [
+    Example(prompt=f"the movie was {w} and the plot", candidates=[" bad", " great"], gold=g)
+    for w, g in (("dull", 0), ("bright", 1), ("long", 0), ("fine", 1), ("short", 0), ("good", 1))
+]
+
+
+def tiny():
+    cfg = ModelConfig(name="t", random_init=True, architecture=dict(TINY_LLAMA), device="cpu")
+    return load_model(cfg, seed=1)
+
+
+def tiny_batch(loaded):
+    items = encode(EXAMPLES, loaded.tokenizer, "causal", 128)
+    return collate(items, "causal", loaded.tokenizer.pad_token_id)
+
+
+def logits(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+
+
+def with_adapters(kind: str, init: str):
+    loaded = tiny()
+    torch.manual_seed(0)
+    if kind == "tt":
+        cfg = TTAdapterConfig(bottleneck=8, rank=3, init=init, targets=[{"pattern": r"mlp\.down_proj$", "position": "output"},
+                                                                      {"pattern": r"mlp\.up_proj$", "position": "input"}])
+        gen = torch.Generator().manual_seed(0)
+        model = add_tt_adapters(loaded.model, cfg, generator=gen)
+    else:
+        cfg = BottleneckAdapterConfig(bottleneck=8, init=init, placement="official")
+        model = add_bottleneck_adapters(loaded.model, cfg)
+    return loaded, model
+
+
+@pytest.mark.parametrize("kind", ["tt", "bottleneck"])
+def test_identity_init_starts_exactly_at_the_backbone(kind):
+    backbone = tiny()
+    batch = tiny_batch(backbone)
+    expected = logits(backbone.model, batch)
+    loaded, model = with_adapters(kind, "identity")
+    torch.testing.assert_close(logits(model, batch), expected, atol=1e-6, rtol=1e-6)
+    _, reference = with_adapters(kind, "reference")
+    assert (logits(reference, batch) - expected).abs().max() > 1e-3  # the reference init moves the model
+
+
+def test_identity_init_zeroes_one_up_core_and_the_up_bias_only():
+    _, model = with_adapters("tt", "identity")
+    adapters = [m for m in model.modules() if isinstance(m, TTAdapter)]
+    assert len(adapters) == 4
+    for a in adapters:
+        assert torch.count_nonzero(a.up.cores[-1]) == 0 and torch.count_nonzero(a.up.bias) == 0
+        assert all(torch.count_nonzero(c) == c.numel() for c in a.up.cores[:-1])
+        assert all(torch.count_nonzero(c) == c.numel() for c in a.down.cores)
+
+
+@pytest.mark.parametrize("kind", ["tt", "bottleneck"])
+def test_a_few_zo_steps_from_identity_move_every_parameter_and_change_the_output(kind):
+    loaded, model = with_adapters(kind, "identity")
+    batch = tiny_batch(loaded)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    before = {n: p.detach().clone() for n, p in named}
+    start = logits(model, batch)
+    opt = ZOSGD([p for _, p in named], lr=1e-3, eps=1e-3, seed=0, n_queries=2)
+    for _ in range(3):
+        opt.step(lambda: batch_loss(model, batch, "causal"))
+    for n, p in named:
+        assert not torch.equal(p, before[n]), f"{n} did not move"
+    assert (logits(model, batch) - start).abs().max() > 0
+
+
+def test_adapter_init_is_validated():
+    with pytest.raises(ConfigError, match="adapter.init='zero'"):
+        TTAdapterConfig(init="zero")
+    with pytest.raises(ConfigError, match="adapter.init"):
+        BottleneckAdapterConfig(init="zero")
+
+
+# ---- divergence rules on synthetic dev curves ---------------------------------------------------------------
+
+
+def first_reason(monitor: DivergenceMonitor, curve, tied=None):
+    tied = tied or [0.0] * len(curve)
+    for i, (loss, t) in enumerate(zip(curve, tied)):
+        reason = monitor.update(loss, t)
+        if reason is not None:
+            return i, reason
+    return None, None
+
+
+FIGURE1 = [0.69, 0.55, 0.45, 0.40, 0.36, 0.38, 0.45, 0.55, 0.62, 0.70, 0.70, 0.71]  # learns, then climbs back
+
+
+def test_the_best_rule_catches_a_climb_back_that_the_initial_rule_misses():
+    at, reason = first_reason(DivergenceMonitor(DivergenceConfig(rule="best", factor=1.5, patience=3)), FIGURE1)
+    assert at == 9 and "best dev loss 0.3600" in reason  # 0.55, 0.62, 0.70 are all > 1.5 x 0.36 = 0.54
+    at, _ = first_reason(DivergenceMonitor(DivergenceConfig(rule="initial", factor=2.0, patience=3)), FIGURE1)
+    assert at is None
+
+
+def test_noise_around_the_best_is_not_divergence():
+    noisy = [1.13, 0.80, 0.70, 0.75, 0.68, 0.90, 0.72, 1.05, 0.70, 0.69]  # single spikes, never three in a row
+    assert first_reason(DivergenceMonitor(DivergenceConfig()), noisy) == (None, None)
+
+
+def test_strikes_must_be_consecutive_under_the_initial_rule():
+    monitor = DivergenceMonitor(DivergenceConfig(rule="initial", factor=2.0, patience=2))
+    assert monitor.update(1.0) is None  # the reference
+    assert monitor.update(2.5) is None  # one strike
+    assert monitor.update(1.5) is None  # reset
+    assert monitor.update(2.5) is None
+    assert "2 evaluations" in monitor.update(3.0)
+    assert "non-finite" in DivergenceMonitor(DivergenceConfig()).update(float("nan"))
+
+
+def test_a_collapse_to_tied_candidates_is_divergence_although_its_loss_looks_fine():
+    # The issue's run: 1.13 -> 0.64, then every candidate ties and the loss sits at ln 2 (< 2 x 1.13, < 1.5 x 0.64).
+    curve = [1.13, 0.80, 0.64, 0.66, math.log(2), math.log(2)]
+    tied = [0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    at, reason = first_reason(DivergenceMonitor(DivergenceConfig()), curve, tied)
+    assert at == 4 and reason.startswith("collapsed")
+    at, _ = first_reason(DivergenceMonitor(DivergenceConfig(collapse=False)), curve, tied)
+    assert at is None
+
+
+def test_divergence_config_is_validated():
+    with pytest.raises(ConfigError, match="divergence.rule"):
+        DivergenceConfig(rule="worst")
+    with pytest.raises(ConfigError, match="divergence.collapse_fraction"):
+        DivergenceConfig(collapse_fraction=0.0)
+
+
+def test_an_overflowing_residual_stream_scores_every_candidate_equal():
+    """The collapse mechanism itself: an adapter output above ~1.8e19 overflows RMSNorm's float32 mean square,
+    the norm returns zeros, every logit is 0, and the loss is exactly ln 2 with all candidates tied."""
+    loaded, model = with_adapters("tt", "identity")
+    batches = [tiny_batch(loaded)]
+    healthy = evaluate(model, batches, "causal")
+    assert healthy.tied == 0.0
+    with torch.no_grad():
+        for a in model.modules():
+            if isinstance(a, TTAdapter):
+                a.up.bias.fill_(1e20)
+    broken = evaluate(model, batches, "causal")
+    assert broken.tied == 1.0
+    assert broken.loss == pytest.approx(math.log(2), abs=1e-6)
+
+
+# ---- the reference schedule under a forward-pass budget ----------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [200, 2000, 8000])
+def test_budget_steps_is_a_fixed_point_of_the_schedule(budget):
+    build = lambda e: build_adaptive_official(AdaptiveOfficialConfig(), e)  # noqa: E731
+    per_epoch = 63
+    steps = budget_steps(build, per_epoch, 62.5, budget, lambda q: 2 * q, 10**6)
+    schedule = build(steps / 62.5)
+    spent = [0]
+    for k in range(steps):
+        spent.append(spent[-1] + 2 * schedule(k // per_epoch))
+    assert spent[-2] < budget <= spent[-1]  # this schedule spends the budget exactly at its last step
+    if budget >= 2000:  # long enough to leave epoch 1 (where 1^beta = 1): Q has grown by the run's end
+        assert schedule((steps - 1) // per_epoch) >= 3
+
+
+def test_a_run_with_a_budget_derives_the_reference_schedule_from_it(tmp_path):
+    from conftest import compose_cfg, tiny_overrides, write_fixture_data
+    from adazeta.run import parse, schedule_epochs
+
+    data = write_fixture_data(tmp_path)
+    s = parse(compose_cfg(tiny_overrides(data, "method=adazeta", "schedule=adaptive_official",
+                                         "train.max_steps=100000", "train.max_forward_passes=400")))
+    epochs, from_budget = schedule_epochs(s, 32)
+    assert from_budget == epochs and 1 < epochs < 100000 / 8  # far fewer epochs than max_steps would give
+    s2 = dataclasses.replace(s, train=dataclasses.replace(s.train, max_forward_passes=None))
+    assert schedule_epochs(s2, 32) == (100000 / 8, None)
