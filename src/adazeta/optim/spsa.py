@@ -61,6 +61,13 @@ def _masks_for(params: Sequence[torch.Tensor], masks: Masks) -> Iterable[torch.T
 
 
 @torch.no_grad()
+def directions(params: Sequence[torch.Tensor], seed: int, masks: Masks = None) -> list[torch.Tensor]:
+    """z for every parameter, exactly as ``perturb_`` draws it from ``seed`` (for instruments that need z)."""
+    noise = _Noise(seed)
+    return [noise.draw(p, m) for p, m in zip(params, _masks_for(params, masks))]
+
+
+@torch.no_grad()
 def perturb_(params: Sequence[torch.Tensor], seed: int, scale: float, masks: Masks = None) -> None:
     """w <- w + scale * z, with z regenerated from ``seed`` (MeZO's perturbation, Algorithm 1)."""
     noise = _Noise(seed)
