@@ -16,10 +16,13 @@ ifneq ($(wildcard $(SHARED)/models),)
 export ADAZETA_MODEL_DIR ?= $(abspath $(SHARED)/models)
 endif
 
-DEMO_ARGS ?= method=adazeta task=sst2 model=smollm2-135m train.max_steps=40 train.eval_every=20 \
-             data.num_train=320 data.num_dev=100 data.num_eval=200
+# AdaZeta's TT adapters from the identity at the rate the cpu_zo experiment found stable for Q = 1 (README).
+DEMO_ARGS ?= method=adazeta task=sst2 model=smollm2-135m method.adapter.init=identity schedule=constant \
+             method.optimizer.lr=3e-4 train.max_steps=150 train.eval_every=25 \
+             data.num_train=1000 data.num_dev=100 data.num_eval=200 wandb.mode=disabled
 
-.PHONY: help setup demo test test-fast dry-run tables figures cpu-convergence bench-memory bench clean
+.PHONY: help setup demo test test-fast dry-run tables figures cpu-convergence cpu-zo cpu-zo-report grad-fidelity \
+        bench-memory bench clean
 
 help:
 	@echo "make setup      create $(VENV) and install adazeta with its test extras"
@@ -29,7 +32,10 @@ help:
 	@echo "make dry-run    parameter counts and memory estimate for Llama-2-7B (no download)"
 	@echo "make tables     results/tables/*.md and *.tex from results/runs (dev-selected, paper numbers beside)"
 	@echo "make figures    results/figures/*.png: convergence curves and memory bars"
-	@echo "make cpu-convergence  the CPU reproduction: AdaZeta vs MeZO-LoRA vs MeZO on SmolLM2 (about 2 hours)"
+	@echo "make cpu-convergence  the first, small CPU run: AdaZeta vs MeZO-LoRA vs MeZO, 100 forward passes"
+	@echo "make cpu-zo     the CPU experiment that tests AdaZeta's claims (hours; resumable: finished runs are skipped)"
+	@echo "make cpu-zo-report    its table and figures from whatever has run"
+	@echo "make grad-fidelity    ZO estimate vs autograd gradient as Q grows, per method (about an hour on 1 core)"
 	@echo "make bench-memory     peak memory per method on SmolLM2, one batch of 16 SST-2 prompts (a few minutes)"
 	@echo "make bench      speed: forwards, ZO steps (sequential/batched queries), eval throughput, memory (~10 min CPU)"
 
@@ -62,6 +68,16 @@ figures: setup
 
 cpu-convergence: setup
 	$(BIN)/adazeta-run -m experiment=cpu_convergence wandb.mode=offline
+
+cpu-zo: setup
+	$(BIN)/python scripts/experiment.py cpu_zo wandb.mode=offline
+
+cpu-zo-report: setup
+	$(BIN)/python scripts/cpu_zo_report.py
+	$(BIN)/python scripts/make_tables.py
+
+grad-fidelity: setup
+	$(BIN)/python scripts/grad_fidelity.py
 
 bench-memory: setup
 	$(BIN)/python scripts/bench_memory.py

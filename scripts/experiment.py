@@ -34,14 +34,15 @@ PHASES = ("select", "seeds", "stress")
 @dataclass
 class Job:
     arm: str
-    lr: float
+    lr: float | None  # None: an arm without a learning rate (zero-shot)
     seed: int
     experiment: str
     overrides: list[str]
 
     @property
     def run_dir(self) -> Path:
-        return ROOT / "results" / "runs" / self.experiment / self.arm / f"lr={self.lr:g},seed={self.seed}"
+        name = f"seed={self.seed}" if self.lr is None else f"lr={self.lr:g},seed={self.seed}"
+        return ROOT / "results" / "runs" / self.experiment / self.arm / name
 
     def done(self) -> bool:
         return status(self.run_dir) in ("finished", "diverged")
@@ -61,18 +62,24 @@ def record(run_dir: Path) -> dict | None:
         return None
 
 
-def chosen_lr(name: str, arm: str, spec: dict, seed: int) -> float | None:
-    """The grid's lr with the best dev accuracy at ``seed`` (ties: lower dev loss); None until the grid is done.
+def grid(spec: dict) -> list[float | None]:
+    """An arm's learning rates; [None] for an arm that trains nothing."""
+    return [float(lr) for lr in spec["lr"]] if spec.get("lr") else [None]
 
-    Diverged runs are never chosen (their dev numbers describe a state before the divergence)."""
+
+UNDECIDED = object()
+
+
+def chosen_lr(name: str, arm: str, spec: dict, seed: int) -> float | None | object:
+    """The grid's lr with the best dev accuracy at ``seed`` (ties: lower dev loss), as ``make tables`` selects;
+    UNDECIDED until every grid point has a finished or diverged result. Test is never looked at."""
     results = []
-    for lr in spec["lr"]:
-        rec = record(Job(arm, float(lr), seed, name, []).run_dir)
+    for lr in grid(spec):
+        rec = record(Job(arm, lr, seed, name, []).run_dir)
         if rec is None or rec.get("status") not in ("finished", "diverged"):
-            return None
-        if rec["status"] == "finished":
-            results.append((-rec["dev_accuracy"], rec["dev_loss"], float(lr)))
-    return min(results)[2] if results else None
+            return UNDECIDED
+        results.append((-rec["dev_accuracy"], rec["dev_loss"], len(results), lr))
+    return min(results)[3]
 
 
 def plan(name: str, config: dict, phase: str, arms: list[str] | None) -> list[Job]:
@@ -88,7 +95,7 @@ def plan(name: str, config: dict, phase: str, arms: list[str] | None) -> list[Jo
     jobs: list[Job] = []
     if phase in ("select", "all"):
         # grid points interleaved across arms, so that every arm's grid fills in at the same pace
-        grids = {a: [float(lr) for lr in config["arms"][a]["lr"]] for a in order}
+        grids = {a: grid(config["arms"][a]) for a in order}
         for i in range(max(len(g) for g in grids.values())):
             for a in order:
                 if i < len(grids[a]):
@@ -97,7 +104,7 @@ def plan(name: str, config: dict, phase: str, arms: list[str] | None) -> list[Jo
     if phase in ("seeds", "stress", "all"):
         for a in order:
             lr = chosen_lr(name, a, config["arms"][a], select_seed)
-            if lr is None:
+            if lr is UNDECIDED:
                 print(f"# {phase}: {a}: no lr chosen yet (its grid has not finished, or every run diverged)", flush=True)
             else:
                 chosen[a] = lr
@@ -108,15 +115,15 @@ def plan(name: str, config: dict, phase: str, arms: list[str] | None) -> list[Jo
     if phase in ("stress", "all"):
         for factor in design.get("stress", []):
             jobs += [Job(a, lr * float(factor), select_seed, f"{name}_stress", config["arms"][a]["overrides"])
-                     for a, lr in chosen.items() if not config["arms"][a].get("first_order")]
+                     for a, lr in chosen.items() if lr is not None and not config["arms"][a].get("first_order")]
     return jobs
 
 
 def command(name: str, job: Job, extra: list[str]) -> list[str]:
+    lr = [] if job.lr is None else [f"method.optimizer.lr={job.lr:g}"]
     return [
-        sys.executable, "-m", "adazeta.cli", f"experiment={name}", *job.overrides, f"method.name={job.arm}",
-        f"method.optimizer.lr={job.lr:g}", f"seed={job.seed}", f"experiment_name={job.experiment}",
-        f"hydra.run.dir='{job.run_dir}'", *extra,
+        sys.executable, "-m", "adazeta.cli", f"experiment={name}", *job.overrides, f"method.name={job.arm}", *lr,
+        f"seed={job.seed}", f"experiment_name={job.experiment}", f"hydra.run.dir='{job.run_dir}'", *extra,
     ]
 
 
@@ -156,7 +163,7 @@ def main() -> None:
             start = time.time()
             with open(job.run_dir / "stdout.log", "w") as log:
                 rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-            print(f"# {job.arm} lr={job.lr:g} seed={job.seed}: {status(job.run_dir)} (exit {rc}, "
+            print(f"# {job.arm} lr={job.lr} seed={job.seed}: {status(job.run_dir)} (exit {rc}, "
                   f"{time.time() - start:.0f} s)", flush=True)
             return rc
 

@@ -43,7 +43,9 @@ def main() -> None:
     selected = select_on_dev(results) if len(results) else results
     paper = load_paper_numbers(args.paper)
     args.out.mkdir(parents=True, exist_ok=True)
-    experiments = sorted(set(paper["table"]) - {"memory"} | set(selected.get("experiment", [])))
+    # stress tests (NAME_stress) run chosen settings at raised rates: nothing there is to be selected
+    experiments = sorted(e for e in set(paper["table"]) - {"memory"} | set(selected.get("experiment", []))
+                         if not str(e).endswith("_stress"))
     for name in experiments:
         methods, tasks = experiment_axes(name)
         table = build_table(selected, paper, name, methods, tasks)

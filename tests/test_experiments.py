@@ -24,12 +24,14 @@ def test_every_experiment_composes(name):
     assert s.experiment == name
 
 
-def write_result(root: Path, method: str, seed: int, lr: float, dev: float, test: float, status: str = "finished"):
+def write_result(root: Path, method: str, seed: int, lr: float, dev: float, test: float, status: str = "finished",
+                 dev_loss: float = 0.5):
     run = root / f"{method}-lr{lr}-s{seed}"
     run.mkdir(parents=True)
     config = {"seed": seed, "method": {"name": method, "optimizer": {"lr": lr}}, "wandb": {"mode": "offline"}}
     record = {"experiment": "fx", "model": "m", "task": "rte", "method": method, "seed": seed, "status": status,
-              "dev_accuracy": dev, "test_accuracy": test, "peak_mem_mb": 100.0, "config": config}
+              "dev_accuracy": dev, "dev_loss": dev_loss, "test_accuracy": test, "peak_mem_mb": 100.0,
+              "config": config}
     (run / "result.json").write_text(json.dumps(record))
 
 
@@ -55,6 +57,21 @@ def test_selection_uses_dev_never_test_and_aggregates_seeds(tmp_path):
     pd.testing.assert_frame_equal(table, expected)
     assert "| adazeta | 65.0 (5.0) | 74.0 |" in to_markdown(table)
     assert r"60.0 (10.0) $^\dagger$1" in to_latex(table, "caption")
+
+
+def test_a_grid_at_one_seed_is_selected_on_that_seed_and_ties_go_to_the_lower_dev_loss(tmp_path):
+    # The grid ran at seed 0; lr 1e-3 won there and then ran seeds 1, 2 with lower dev. Selecting on all seeds
+    # would now prefer 1e-4 (one lucky seed); comparing on the shared seed keeps the choice that was made.
+    write_result(tmp_path, "a", 0, 1e-3, 0.80, 0.7)
+    write_result(tmp_path, "a", 1, 1e-3, 0.60, 0.6)
+    write_result(tmp_path, "a", 2, 1e-3, 0.60, 0.8)
+    write_result(tmp_path, "a", 0, 1e-4, 0.75, 0.9)
+    # b: equal dev accuracy, the lower dev loss wins
+    write_result(tmp_path, "b", 0, 1e-3, 0.70, 0.1, dev_loss=0.6)
+    write_result(tmp_path, "b", 0, 1e-4, 0.70, 0.2, dev_loss=0.4)
+    selected = select_on_dev(load_results([tmp_path])).set_index("method")
+    assert selected.loc["a", "runs"] == 3 and selected.loc["a", "test_mean"] == pytest.approx(0.7)
+    assert selected.loc["b", "test_mean"] == pytest.approx(0.2)
 
 
 def sweep(tmp_path: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:

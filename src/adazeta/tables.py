@@ -69,6 +69,7 @@ def load_results(paths: Iterable[Path]) -> pd.DataFrame:
                     "data_seed": flat.get("data.kshot_seed", flat.get("data.seed")),
                     "status": record.get("status"),
                     "dev": record.get("dev_accuracy"),
+                    "dev_loss": record.get("dev_loss"),
                     "test": record.get("test_accuracy"),
                     "peak_mem_mb": record.get("peak_mem_mb"),
                     "forward_passes": record.get("forward_passes"),
@@ -77,18 +78,27 @@ def load_results(paths: Iterable[Path]) -> pd.DataFrame:
                     "path": str(path.parent),
                 }
             )
-    columns = GROUP + ["seed", "data_seed", "status", "dev", "test", "peak_mem_mb", "forward_passes", "setting",
+    columns = GROUP + ["seed", "data_seed", "status", "dev", "dev_loss", "test", "peak_mem_mb", "forward_passes", "setting",
                        "commit", "path"]
     return pd.DataFrame(rows, columns=columns)
 
 
 def select_on_dev(results: pd.DataFrame) -> pd.DataFrame:
-    """Per group: the setting with the best mean dev metric, its test mean/std over seeds, and divergences."""
+    """Per group: the setting with the best mean dev metric, its test mean/std over seeds, and divergences.
+
+    Settings are compared on the seeds they all ran (a grid run at one seed, then the chosen setting at more
+    seeds, is selected on that one seed, not on the chosen setting's later seeds); ties go to the lower mean
+    dev loss, then to the setting listed first.
+    """
     done = results[results["status"].isin(["finished", "diverged"])]
     out = []
     for key, group in done.groupby(GROUP, sort=True):
-        by_setting = group.groupby("setting")["dev"].mean()
-        best = by_setting.idxmax() if by_setting.notna().any() else by_setting.index[0]
+        seeds = [set(g["seed"]) for _, g in group.groupby("setting")]
+        shared = set.intersection(*seeds)
+        compared = group[group["seed"].isin(shared)] if shared else group
+        by_setting = compared.groupby("setting", sort=False).agg(dev=("dev", "mean"), dev_loss=("dev_loss", "mean"))
+        ranked = by_setting.assign(neg=-by_setting["dev"]).sort_values(["neg", "dev_loss"], kind="stable", na_position="last")
+        best = ranked.index[0]
         chosen = group[group["setting"] == best]
         out.append(
             {

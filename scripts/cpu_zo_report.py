@@ -1,0 +1,270 @@
+#!/usr/bin/env python
+"""The cpu_zo experiment's report: lr grids, chosen settings, curves against forward passes, the claims' verdicts.
+
+    python scripts/cpu_zo_report.py [--experiment cpu_zo] [--target 0.75]
+
+Reads results/runs/<experiment>/ and <experiment>_stress/ (result.json, eval.csv, metrics.csv of each run) and
+writes results/tables/<experiment>_report.md and results/figures/<experiment>.png. Learning rates are the ones
+scripts/experiment.py chose on dev at the selection seed; test numbers are read only for the chosen runs.
+Whatever has not run yet is reported as missing, so the report can be made at any point of the experiment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from experiment import UNDECIDED, Job, chosen_lr, grid  # noqa: E402
+
+MISSING = "—"
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    try:
+        with open(path) as f:
+            return list(csv.DictReader(f))
+    except OSError:
+        return []
+
+
+def load(run_dir: Path) -> dict | None:
+    try:
+        rec = json.loads((run_dir / "result.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if rec.get("status") not in ("finished", "diverged"):
+        return None
+    forwards = {int(r["step"]): int(r["forward_passes"]) for r in read_csv(run_dir / "metrics.csv")}
+    forwards[0] = 0
+    curve = [(forwards.get(int(r["step"]), math.nan), float(r["loss"]), float(r["accuracy"]))
+             for r in read_csv(run_dir / "eval.csv") if r["split"] == "dev"]
+    rec["curve"] = curve
+    return rec
+
+
+def first_reaching(curve, value: float, index: int, below: bool) -> float:
+    """Forward passes at the first dev evaluation whose loss (index 1) is <= value or accuracy (2) >= value."""
+    for point in curve:
+        if (point[index] <= value) if below else (point[index] >= value):
+            return point[0]
+    return math.nan
+
+
+def mean_std(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return MISSING
+    text = f"{scale * statistics.mean(values):.{digits}f}"
+    if len(values) > 1:
+        text += f" ({scale * statistics.pstdev(values):.{digits}f})"
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experiment", default="cpu_zo")
+    parser.add_argument("--target", type=float, default=0.75, help="dev accuracy whose cost in forwards is reported")
+    args = parser.parse_args()
+    name = args.experiment
+    config = yaml.safe_load((ROOT / "conf" / "experiment" / f"{name}.yaml").read_text())
+    arms, design = config["arms"], config.get("design") or {}
+    select_seed = int(design.get("select_seed", 0))
+    seeds = [int(s) for s in design.get("seeds", [select_seed])]
+    order = [a for a in design.get("order", list(arms)) if a in arms]
+    budget = config["train"]["max_forward_passes"]
+
+    lines = [f"# {name}: SmolLM2-135M on SST-2, {budget} forward passes per ZO run", ""]
+    lines += [
+        f"Made by `python scripts/cpu_zo_report.py` from results/runs/{name}/ (`scripts/experiment.py {name}`).",
+        f"Learning rates chosen on dev accuracy (200 dev examples; ties: dev loss) at seed {select_seed}; test = the",
+        "872 SST-2 validation sentences, read only for the chosen lr. Forward passes count every loss evaluation of",
+        "the ZO estimator (2Q a step); the first-order arm counts one per step (each also runs a backward pass).",
+        "",
+        "## Learning-rate grids (seed %d): dev accuracy (dev loss), status" % select_seed,
+        "",
+        "| arm | " + " | ".join(f"lr {i + 1}" for i in range(max(len(grid(a)) for a in arms.values()))) + " | chosen |",
+        "|---|" + "---|" * (max(len(grid(a)) for a in arms.values()) + 1),
+    ]
+    chosen = {}
+    for arm in order:
+        cells = []
+        for lr in grid(arms[arm]):
+            rec = load(Job(arm, lr, select_seed, name, []).run_dir)
+            tag = "" if lr is None else f"{lr:g}: "
+            if rec is None:
+                cells.append(f"{tag}{MISSING}")
+            else:
+                mark = "" if rec["status"] == "finished" else f" **{rec['status']}**"
+                cells.append(f"{tag}{rec['dev_accuracy']:.3f} ({rec['dev_loss']:.3f}){mark}")
+        lr = chosen_lr(name, arm, arms[arm], select_seed)
+        chosen[arm] = lr
+        width = max(len(grid(a)) for a in arms.values())
+        cells += [""] * (width - len(cells))
+        pick = "not yet" if lr is UNDECIDED else ("—" if lr is None else f"{lr:g}")
+        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {pick} |")
+
+    runs = {arm: [r for s in seeds if chosen[arm] is not UNDECIDED
+                  for r in [load(Job(arm, chosen[arm], s, name, []).run_dir)] if r is not None] for arm in order}
+    zero = [r["test_accuracy"] for r in runs.get("zero_shot", [])]
+    zero_test = statistics.mean(zero) if zero else math.nan
+    mezo_lora_final = [r["curve"][-1][1] for r in runs.get("mezo_lora", []) if r["curve"]]
+    lora_target = statistics.mean(mezo_lora_final) if mezo_lora_final else math.nan
+    lora_cost = statistics.mean(r["forward_passes"] for r in runs["mezo_lora"]) if runs.get("mezo_lora") else math.nan
+
+    lines += [
+        "",
+        f"## Chosen settings over seeds {seeds}: mean (std)",
+        "",
+        f"`to dev acc {args.target}`: forward passes until the first dev evaluation at or above it (runs that never "
+        "get there are counted in `reached`). `to MeZO-LoRA's final dev loss`: forward passes until dev loss "
+        f"<= {lora_target:.4f}, the mean final dev loss of MeZO-LoRA's chosen runs after {lora_cost:g} forward passes.",
+        "",
+        "| arm | lr | runs | diverged | dev loss start -> best | test acc x100 | vs zero-shot | "
+        f"to dev acc {args.target} (reached) | to MeZO-LoRA's final dev loss (reached) | mean Q |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    verdict_gain, verdict_speed = [], []
+    for arm in order:
+        rs = runs[arm]
+        lr = chosen[arm]
+        if not rs:
+            lines.append(f"| {arm} | {'not chosen' if lr is UNDECIDED else lr} | 0 | | | | | | | |")
+            continue
+        tests = [r["test_accuracy"] for r in rs]
+        reach = [first_reaching(r["curve"], args.target, 2, below=False) for r in rs]
+        hit = [first_reaching(r["curve"], lora_target, 1, below=True) for r in rs]
+        start = statistics.mean(r["initial_dev_loss"] for r in rs)
+        best = statistics.mean(r["dev_loss"] for r in rs)
+        gain = 100 * (statistics.mean(tests) - zero_test)
+        lines.append(
+            f"| {arm} | {'—' if lr is None else f'{lr:g}'} | {len(rs)} | {sum(r['status'] == 'diverged' for r in rs)} | "
+            f"{start:.3f} -> {best:.3f} | {mean_std(tests, 100)} | {gain:+.1f} | "
+            f"{mean_std(reach, digits=0)} ({sum(not math.isnan(x) for x in reach)}/{len(rs)}) | "
+            f"{mean_std(hit, digits=0)} ({sum(not math.isnan(x) for x in hit)}/{len(rs)}) | "
+            f"{mean_std([r.get('forward_passes', 0) / max(2 * r.get('steps', 1), 1) for r in rs], digits=2) if not arms[arm].get('first_order') and lr is not None else '—'} |"
+        )
+        if lr is not None and not arms[arm].get("first_order"):
+            verdict_gain.append((gain, arm))
+            if arm.startswith("adazeta") and not math.isnan(lora_cost):
+                verdict_speed.append((arm, statistics.mean(hit) if all(not math.isnan(x) for x in hit) else math.nan,
+                                      sum(not math.isnan(x) for x in hit), len(rs)))
+
+    stress = []
+    for factor in design.get("stress", []):
+        for arm in order:
+            lr = chosen[arm]
+            if lr is UNDECIDED or lr is None or arms[arm].get("first_order"):
+                continue
+            rec = load(Job(arm, lr * float(factor), select_seed, f"{name}_stress", []).run_dir)
+            stress.append((arm, factor, lr * float(factor), rec))
+    lines += ["", f"## Stability: each ZO arm at {' and '.join(f'{f}x' for f in design.get('stress', []))} its "
+              f"chosen lr (seed {select_seed})", "", "| arm | factor | lr | status | reason | best dev loss |",
+              "|---|---:|---:|---|---|---:|"]
+    for arm, factor, lr, rec in stress:
+        if rec is None:
+            lines.append(f"| {arm} | {factor}x | {lr:g} | {MISSING} | | |")
+        else:
+            lines.append(f"| {arm} | {factor}x | {lr:g} | {rec['status']} | {rec.get('reason') or ''} | "
+                         f"{rec['dev_loss']:.3f} |")
+
+    lines += ["", "## The claims, as measured", ""]
+    if verdict_gain and not math.isnan(zero_test):
+        best_gain, best_arm = max(verdict_gain)
+        ok = "met" if best_gain >= 20 else "NOT met"
+        lines.append(f"- At least one ZO arm raises test accuracy by >= 20 points over zero-shot "
+                     f"({100 * zero_test:.1f}): {ok} (best: {best_arm}, {best_gain:+.1f} points).")
+    else:
+        lines.append("- Gain over zero-shot: not measurable yet (zero-shot or ZO runs missing).")
+    for arm, cost, reached, n in verdict_speed:
+        if math.isnan(cost):
+            lines.append(f"- {arm} reaches MeZO-LoRA's final dev loss ({lora_target:.4f}) in {reached}/{n} runs: "
+                         f"the claim (at most 1/3 of MeZO-LoRA's {lora_cost:g} forwards) is NOT confirmed.")
+        else:
+            verdict = "confirmed" if cost <= lora_cost / 3 else "NOT confirmed"
+            lines.append(f"- {arm} reaches MeZO-LoRA's final dev loss ({lora_target:.4f}) after {cost:.0f} forward "
+                         f"passes, {cost / lora_cost:.2f}x MeZO-LoRA's {lora_cost:g}: the 1/3 claim is {verdict}.")
+    if not verdict_speed:
+        lines.append("- AdaZeta against MeZO-LoRA: not measurable yet.")
+    out = ROOT / "results" / "tables" / f"{name}_report.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+    plot(name, order, runs, arms, zero_test, ROOT / "results" / "figures" / f"{name}.png", args.target)
+    plot_grids(name, order, arms, select_seed, ROOT / "results" / "figures" / f"{name}_grid.png")
+
+
+def plot_grids(name, order, arms, seed, path: Path) -> None:
+    """Every grid point at the selection seed: dev loss and accuracy against forward passes, one column per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [a for a in order if any(load(Job(a, lr, seed, name, []).run_dir) for lr in grid(arms[a]))]
+    if not shown:
+        return
+    fig, axes = plt.subplots(2, len(shown), figsize=(3.2 * len(shown), 5.5), squeeze=False, sharey="row")
+    for col, arm in enumerate(shown):
+        for lr in grid(arms[arm]):
+            rec = load(Job(arm, lr, seed, name, []).run_dir)
+            if rec is None or not rec["curve"]:
+                continue
+            xs, losses, accs = zip(*rec["curve"])
+            label = ("—" if lr is None else f"lr {lr:g}") + ("" if rec["status"] == "finished" else " (diverged)")
+            axes[0][col].plot(xs, losses, label=label)
+            axes[1][col].plot(xs, accs, label=label)
+        axes[0][col].set_title(arm, fontsize=9)
+        axes[0][col].legend(fontsize=7)
+        axes[1][col].set_xlabel("forward passes")
+    axes[0][0].set_ylabel("dev loss")
+    axes[1][0].set_ylabel("dev accuracy")
+    fig.suptitle(f"{name}: learning-rate grids at seed {seed}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def plot(name, order, runs, arms, zero_test, path: Path, target: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for arm in order:
+        rs = [r for r in runs.get(arm, []) if r["curve"] and r.get("steps")]
+        if not rs:
+            continue
+        label = arm + (" (x: steps, forward + backward)" if arms[arm].get("first_order") else "")
+        color = None
+        for i, r in enumerate(rs):
+            xs, losses, accs = zip(*r["curve"])
+            style = dict(lw=1.6 if i == 0 else 0.7, alpha=1.0 if i == 0 else 0.5, label=label if i == 0 else None)
+            line, = axes[0].plot(xs, losses, color=color, **style)
+            color = line.get_color()
+            axes[1].plot(xs, accs, color=color, **style)
+    if not math.isnan(zero_test):
+        axes[1].axhline(zero_test, color="grey", ls=":", lw=1, label="zero-shot (test)")
+    axes[1].axhline(target, color="grey", ls="--", lw=0.6)
+    axes[0].set(xlabel="forward passes", ylabel="dev loss", title=f"{name}: dev loss (thick: seed 0)")
+    axes[1].set(xlabel="forward passes", ylabel="dev accuracy", title="dev accuracy")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""scripts/experiment.py: grids at one seed, the dev-chosen lr for the other seeds and the stress test."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("experiment_driver", ROOT / "scripts" / "experiment.py")
+driver = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = driver  # dataclasses look their module up while the class is created
+spec.loader.exec_module(driver)
+
+CONFIG = {
+    "arms": {
+        "zo": {"overrides": ["method=adazeta"], "lr": [1e-3, 1e-4]},
+        "fo": {"overrides": ["method=tt_adapter"], "lr": [1e-3], "first_order": True},
+        "zs": {"overrides": ["method=zero_shot"]},
+    },
+    "design": {"select_seed": 0, "seeds": [0, 1, 2], "stress": [3, 10], "order": ["zs", "zo", "fo"]},
+}
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    monkeypatch.setattr(driver, "ROOT", tmp_path)
+    return tmp_path
+
+
+def finish(job, dev: float, dev_loss: float = 0.5, status: str = "finished", test: float = 0.0):
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    (job.run_dir / "result.json").write_text(json.dumps(
+        {"status": status, "dev_accuracy": dev, "dev_loss": dev_loss, "test_accuracy": test}))
+
+
+def test_select_runs_every_grid_point_at_the_selection_seed_interleaved_by_arm(root):
+    jobs = driver.plan("x", CONFIG, "select", None)
+    assert [(j.arm, j.lr, j.seed) for j in jobs] == [("zs", None, 0), ("zo", 1e-3, 0), ("fo", 1e-3, 0), ("zo", 1e-4, 0)]
+    assert jobs[0].run_dir == root / "results" / "runs" / "x" / "zs" / "seed=0"
+    assert jobs[1].run_dir.name == "lr=0.001,seed=0"
+    assert "method.optimizer.lr=0.001" in driver.command("x", jobs[1], [])
+    assert not any(a.startswith("method.optimizer.lr") for a in driver.command("x", jobs[0], []))
+
+
+def test_later_phases_wait_for_the_whole_grid_then_use_the_dev_choice_never_test(root):
+    jobs = {(j.arm, j.lr): j for j in driver.plan("x", CONFIG, "select", None)}
+    finish(jobs["zo", 1e-3], dev=0.70, dev_loss=0.60, test=0.99)
+    assert [j.arm for j in driver.plan("x", CONFIG, "seeds", None)] == []  # zs, fo, zo's second point missing
+    finish(jobs["zo", 1e-4], dev=0.70, dev_loss=0.40, test=0.10)  # same dev accuracy, lower dev loss: chosen
+    finish(jobs["zs", None], dev=0.5)
+    finish(jobs["fo", 1e-3], dev=0.9)
+    seeds = driver.plan("x", CONFIG, "seeds", None)
+    assert sorted((j.arm, j.lr, j.seed) for j in seeds) == [
+        ("fo", 1e-3, 1), ("fo", 1e-3, 2), ("zo", 1e-4, 1), ("zo", 1e-4, 2), ("zs", None, 1), ("zs", None, 2)]
+    stress = driver.plan("x", CONFIG, "stress", None)  # ZO arms only, in their own experiment
+    assert [(j.arm, j.lr, j.experiment) for j in stress] == [("zo", pytest.approx(3e-4), "x_stress"),
+                                                             ("zo", pytest.approx(1e-3), "x_stress")]
+    assert all(j.done() for j in jobs.values())
+
+
+def test_unknown_arms_are_refused_with_the_known_ones(root):
+    with pytest.raises(SystemExit, match="unknown arm.*known: zo, fo, zs"):
+        driver.plan("x", CONFIG, "select", ["zo", "nope"])
+
+
+def test_the_committed_cpu_zo_experiment_parses_and_plans():
+    import yaml
+
+    config = yaml.safe_load((ROOT / "conf" / "experiment" / "cpu_zo.yaml").read_text())
+    jobs = driver.plan("cpu_zo", config, "select", None)
+    arms = {j.arm for j in jobs}
+    assert {"adazeta", "adazeta_identity", "tt_q1", "mezo_lora", "mezo", "tt_adapter_fo", "zero_shot"} <= arms
+    assert all(j.seed == 0 for j in jobs)
