@@ -197,3 +197,64 @@ def test_a_run_with_a_budget_derives_the_reference_schedule_from_it(tmp_path):
     assert from_budget == epochs and 1 < epochs < 100000 / 8  # far fewer epochs than max_steps would give
     s2 = dataclasses.replace(s, train=dataclasses.replace(s.train, max_forward_passes=None))
     assert schedule_epochs(s2, 32) == (100000 / 8, None)
+
+
+# ---- the loop: collapse ends the run, and a collapsed state is never the one tested -------------------------
+
+
+class Saboteur(torch.optim.Optimizer):
+    """A ZO 'optimizer' that overflows every adapter on its third step (the collapse, made to order)."""
+
+    zeroth_order = True
+
+    def __init__(self, params, adapters):
+        super().__init__(params, dict(lr=0.0))
+        self.adapters, self.n_queries, self.forward_passes, self.calls = adapters, 1, 0, 0
+
+    @torch.no_grad()
+    def step(self, closure):
+        self.calls += 1
+        self.forward_passes += 2
+        if self.calls == 3:
+            for a in self.adapters:
+                a.up.bias.fill_(1e20)
+        return closure()
+
+
+def test_a_collapse_ends_the_run_as_diverged_and_test_uses_the_state_before_it(tmp_path):
+    from adazeta.scoring import batches
+    from adazeta.tracking import Tracker, WandbConfig
+    from adazeta.train import TrainConfig, train
+
+    loaded, model = with_adapters("tt", "identity")
+    tok = loaded.tokenizer
+    items = encode(EXAMPLES * 4, tok, "causal", 128)
+    dev = list(batches(encode(EXAMPLES, tok, "causal", 128), 8, "causal", tok, sort=True))
+    adapters = [m for m in model.modules() if isinstance(m, TTAdapter)]
+    opt = Saboteur([p for p in model.parameters() if p.requires_grad], adapters)
+    tracker = Tracker(tmp_path, WandbConfig(mode="disabled"), "t", {}, [])
+    cfg = TrainConfig(max_steps=10, batch_size=4, eval_every=1)
+    outcome = train(model, "causal", opt, lambda e: 1, items, dev, dev, cfg, tracker,
+                    DivergenceMonitor(DivergenceConfig()), torch.device("cpu"), tok.pad_token_id, None, seed=0)
+    tracker.close()
+    assert outcome.status == "diverged" and outcome.reason.startswith("collapsed")
+    assert outcome.steps == 3 and outcome.best_step < 3
+    assert outcome.test.tied == 0.0  # restored to the best state before the collapse
+    rows = (tmp_path / "eval.csv").read_text().splitlines()
+    assert rows[0] == "step,split,loss,accuracy,tied" and rows[-2].startswith("3,dev,") and rows[-2].endswith(",1.0")
+
+
+def test_dev_is_evaluated_every_n_forward_passes_when_asked(tmp_path):
+    import csv
+
+    from conftest import compose_cfg, tiny_overrides, write_fixture_data
+    from adazeta.run import run
+
+    data = write_fixture_data(tmp_path / "data")
+    # 8 examples at batch 4: Q = 1, 1, 2, 2, 4, 4 -> forwards 2, 4, 8, 12, 20, 28; every 8 forwards: steps 3, 5, 6
+    run(compose_cfg(tiny_overrides(data, "method=adazeta", "data.num_train=8", "train.max_steps=6",
+                                   "schedule.alpha=2", "schedule.beta=1", "train.eval_every_forwards=8")),
+        tmp_path / "run")
+    with open(tmp_path / "run" / "eval.csv") as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f) if r["split"] == "dev"]
+    assert steps == [0, 3, 5, 6]
