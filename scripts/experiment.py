@@ -135,11 +135,14 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--dry", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--factors", type=float, nargs="+", help="stress multipliers, replacing design.stress")
     args, extra = parser.parse_known_args()
     path = ROOT / "conf" / "experiment" / f"{args.experiment}.yaml"
     if not path.is_file():
         sys.exit(f"experiment.py: error: no experiment config {path}")
     config = yaml.safe_load(path.read_text()) or {}
+    if args.factors:
+        config.setdefault("design", {})["stress"] = args.factors
     if not config.get("arms"):
         sys.exit(f"experiment.py: error: {path} has no `arms:` block; run it with adazeta-run -m experiment=...")
 
