@@ -166,16 +166,21 @@ def main() -> None:
             if lr is UNDECIDED or lr is None or arms[arm].get("first_order"):
                 continue
             rec = load(Job(arm, lr * float(factor), select_seed, f"{name}_stress", []).run_dir)
-            stress.append((arm, factor, lr * float(factor), rec))
+            source = "stress run"
+            if rec is None:  # the same lr may be a grid point: the same run (config, seed), already made
+                same = [g for g in grid(arms[arm]) if g is not None and math.isclose(g, lr * float(factor), rel_tol=1e-6)]
+                rec = load(Job(arm, same[0], select_seed, name, []).run_dir) if same else None
+                source = "grid run"
+            stress.append((arm, factor, lr * float(factor), rec, source))
     lines += ["", f"## Stability: each ZO arm at {' and '.join(f'{f}x' for f in design.get('stress', []))} its "
-              f"chosen lr (seed {select_seed})", "", "| arm | factor | lr | status | reason | best dev loss |",
-              "|---|---:|---:|---|---|---:|"]
-    for arm, factor, lr, rec in stress:
+              f"chosen lr (seed {select_seed})", "", "| arm | factor | lr | status | reason | best dev loss | from |",
+              "|---|---:|---:|---|---|---:|---|"]
+    for arm, factor, lr, rec, source in stress:
         if rec is None:
-            lines.append(f"| {arm} | {factor}x | {lr:g} | {MISSING} | | |")
+            lines.append(f"| {arm} | {factor}x | {lr:g} | {MISSING} | | | |")
         else:
             lines.append(f"| {arm} | {factor}x | {lr:g} | {rec['status']} | {rec.get('reason') or ''} | "
-                         f"{rec['dev_loss']:.3f} |")
+                         f"{rec['dev_loss']:.3f} | {source} |")
 
     lines += ["", "## The claims, as measured", ""]
     if verdict_gain and not math.isnan(zero_test):

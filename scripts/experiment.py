@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -114,8 +115,12 @@ def plan(name: str, config: dict, phase: str, arms: list[str] | None) -> list[Jo
                      for a, lr in chosen.items() if int(seed) != select_seed]
     if phase in ("stress", "all"):
         for factor in design.get("stress", []):
-            jobs += [Job(a, lr * float(factor), select_seed, f"{name}_stress", config["arms"][a]["overrides"])
-                     for a, lr in chosen.items() if lr is not None and not config["arms"][a].get("first_order")]
+            for a, lr in chosen.items():
+                if lr is None or config["arms"][a].get("first_order"):
+                    continue
+                if any(g is not None and math.isclose(g, lr * float(factor), rel_tol=1e-6) for g in grid(config["arms"][a])):
+                    continue  # that lr is a grid point: its seed-0 run is this stress run already
+                jobs.append(Job(a, lr * float(factor), select_seed, f"{name}_stress", config["arms"][a]["overrides"]))
     return jobs
 
 
