@@ -18,7 +18,7 @@ endif
 
 # AdaZeta's TT adapters from the identity at the rate the cpu_zo experiment found stable for Q = 1 (README).
 DEMO_ARGS ?= method=adazeta task=sst2 model=smollm2-135m method.adapter.init=identity schedule=constant \
-             method.optimizer.lr=3e-4 train.max_steps=130 train.eval_every=65 \
+             method.optimizer.lr=3e-4 train.max_steps=110 train.eval_every=55 \
              data.num_train=1000 data.num_dev=100 data.num_eval=200 wandb.mode=disabled
 
 .PHONY: help setup demo test test-fast dry-run tables figures cpu-convergence cpu-zo cpu-zo-report grad-fidelity \
