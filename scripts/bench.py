@@ -451,7 +451,7 @@ def main() -> None:
     name = f"{args.model}-{device}-{args.dtype}"
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()} for r in report.rows)
     table = markdown(report)

@@ -204,7 +204,7 @@ def main() -> None:
     print(table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows({k: r.get(k) for k in COLUMNS} for r in rows)
     sys.path.insert(0, str(ROOT / "src"))

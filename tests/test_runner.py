@@ -49,6 +49,8 @@ def test_each_method_runs_and_writes_its_files(method, fixture_data, tmp_path):
         assert all(int(r["n_queries"]) == 1 for r in metrics)
     header = (tmp_path / "metrics.csv").read_text().splitlines()[0]
     assert header.split(",") == STEP_COLUMNS
+    for name in ("metrics.csv", "eval.csv"):  # plain \n line ends, not the csv module's CRLF
+        assert b"\r" not in (tmp_path / name).read_bytes()
 
 
 def test_same_seed_gives_identical_losses(fixture_data, tmp_path):

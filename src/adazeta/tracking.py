@@ -152,7 +152,7 @@ class CsvSink:
     def __init__(self, path: Path, columns: list[str]):
         self.columns = columns
         self._file = open(path, "w", newline="", encoding="utf-8")
-        self._writer = csv.DictWriter(self._file, fieldnames=columns)
+        self._writer = csv.DictWriter(self._file, fieldnames=columns, lineterminator="\n")  # not the csv default CRLF
         self._writer.writeheader()
         self._file.flush()
 
