@@ -83,7 +83,8 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
 
     from adazeta.run import build, compose_settings, seed_everything
-    from adazeta.scoring import Batch, batches, candidate_scores, classification_loss, collate, replica_losses
+    from adazeta.evaluate import evaluate
+    from adazeta.scoring import batches, collate, replica_losses
     from adazeta.optim.batched import ReplicaClosure
     from adazeta.train import steps_per_epoch
 
@@ -95,20 +96,11 @@ def main() -> None:
     params = [p for _, p in b.named]
     probes = Probes(model)
 
-    @torch.no_grad()
     def dev_eval() -> dict[str, float]:
         probes.reset()
-        loss = correct = tied = n = 0.0
-        for batch in dev:
-            scores = candidate_scores(model, batch, family)
-            loss += float(classification_loss(scores, batch.gold, reduction="sum"))
-            correct += float((scores.argmax(1) == batch.gold).sum())
-            finite = scores.masked_fill(~torch.isfinite(scores), float("nan"))
-            spread = finite.nan_to_num(float("-inf")).amax(1) - finite.nan_to_num(float("inf")).amin(1)
-            tied += float((spread.abs() <= 1e-6).sum())
-            n += batch.num_examples
+        result = evaluate(model, dev, family)  # the loop's own evaluation: loss, accuracy, tied share
         rms = math.sqrt(probes.sq_sum / max(probes.count, 1))
-        return dict(dev_loss=loss / n, dev_accuracy=correct / n, tied_fraction=tied / n,
+        return dict(dev_loss=result.loss, dev_accuracy=result.accuracy, tied_fraction=result.tied,
                     final_norm_input_rms=rms, max_adapter_gain=probes.max_gain,
                     overflow_fraction=probes.overflow / max(probes.count / model.config.hidden_size, 1))
 

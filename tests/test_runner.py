@@ -160,10 +160,11 @@ def test_masked_model_trains_end_to_end(fixture_data, tmp_path):
     assert record["status"] == "finished" and record["trainable_params"] > 0
 
 
-def test_divergence_monitor_counts_consecutive_strikes():
+@pytest.mark.parametrize("rule", ["best", "initial"])  # on this curve the best loss is the initial one
+def test_divergence_monitor_counts_consecutive_strikes(rule):
     from adazeta.tracking import DivergenceConfig, DivergenceMonitor
 
-    monitor = DivergenceMonitor(DivergenceConfig(factor=2.0, patience=2))
+    monitor = DivergenceMonitor(DivergenceConfig(rule=rule, factor=2.0, patience=2))
     assert monitor.update(1.0) is None  # the reference
     assert monitor.update(2.5) is None  # one strike
     assert monitor.update(1.5) is None  # reset

@@ -80,9 +80,9 @@ def load_trainable_state_(model: nn.Module, state: dict[str, torch.Tensor]) -> N
 
 @torch.no_grad()
 def param_norm(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of all ``params`` together, on their device (fp32 or wider)."""
-    norms = [torch.linalg.vector_norm(p, dtype=torch.float32) for p in params]
-    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    """L2 norm of all ``params`` together, on their device: one multi-tensor kernel, not one per tensor."""
+    norms = torch._foreach_norm(list(params))
+    return torch.linalg.vector_norm(torch.stack([n.float().to(norms[0].device) for n in norms]))
 
 
 def train(
