@@ -26,7 +26,9 @@ from adazeta.errors import ConfigError
 from adazeta.icl import DemonstrationConfig, demonstration_text, fits_in, prepend_demonstrations, sample_demonstrations
 from adazeta.models import byte_tokenizer, count_parameters, load_model
 from adazeta.optim import OPTIMIZERS
-from adazeta.optim.sparse_mezo import SparseZOSGD, SparseZOSGDConfig, magnitude_mask, sparse_masks
+from adazeta.optim.sparse_mezo import SparseZOSGD, SparseZOSGDConfig, magnitude_mask
+from adazeta.optim.batched import replica_weights
+from adazeta.optim.spsa import RandomMask, directions, perturb_
 from adazeta.probe import ProbeConfig, fit_probe, prompt_features
 from adazeta.run import parse, run, seed_everything
 from adazeta.scoring import batch_loss, collate, encode
@@ -146,12 +148,63 @@ def test_magnitude_mask_keeps_the_smallest_weights_per_tensor():
 
 def test_random_mask_is_seeded_and_has_the_requested_density():
     params = [torch.randn(100, 100), torch.randn(500)]
-    a = sparse_masks(params, 0.75, "random", seed=1)
-    b = sparse_masks(params, 0.75, "random", seed=1)
-    c = sparse_masks(params, 0.75, "random", seed=2)
+    a = list(RandomMask(1, 0.25).for_params(params))
+    b = list(RandomMask(1, 0.25).for_params(params))
+    c = list(RandomMask(2, 0.25).for_params(params))
+    assert all(x.dtype == torch.bool and x.shape == p.shape for x, p in zip(a, params))
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not torch.equal(a[0], c[0])
+    assert not torch.equal(a[0].reshape(-1)[:500], a[1])  # each parameter gets its own draw
     assert abs(float(a[0].float().mean()) - 0.25) < 0.02
+
+
+def _moved(before: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.detach() != b for p, b in zip(params, before)]
+
+
+def test_random_mask_is_redrawn_every_step_and_shared_within_a_step():
+    """mask=random (the AdaZeta reference baseline): one mask per step, for its +eps, -eps and update passes."""
+    params = [torch.nn.Parameter(torch.randn(40, 30)), torch.nn.Parameter(torch.randn(60))]
+    opt = SparseZOSGD(params, sparsity=0.75, mask="random", lr=1e-2, seed=3)
+    assert "sparse_masks" not in opt.state_dict()  # nothing stored: the mask follows from the seed and the step
+    step_masks = []
+    for _ in range(3):
+        masks = [m for _, m in opt.param_masks()]
+        step_masks.append(masks)
+        before = [p.detach().clone() for p in params]
+        evaluated = []
+
+        def closure():
+            evaluated.append(_moved(before, params))  # which entries this +eps / -eps pass perturbed
+            return sum((p**2).sum() for p in params)
+
+        opt.step(closure, n_queries=2)
+        # Every pass of the step (2 queries x +eps, -eps) perturbed exactly the step's mask, and so did the update.
+        assert len(evaluated) == 4
+        for moved in evaluated:
+            assert all(torch.equal(mv, m) for mv, m in zip(moved, masks))
+        assert all(torch.equal(mv, m) for mv, m in zip(_moved(before, params), masks))
+        # Outside the mask the weights are bitwise what they were.
+        assert all(torch.equal(p.detach()[~m], b[~m]) for p, m, b in zip(params, masks, before))
+    assert not torch.equal(step_masks[0][0], step_masks[1][0]) and not torch.equal(step_masks[1][0], step_masks[2][0])
+    assert all(abs(float(m[0].float().mean()) - 0.25) < 0.08 for m in step_masks)
+    # A resumed optimizer draws the same masks for the same step: the step count is in its state.
+    twin = SparseZOSGD([torch.nn.Parameter(p.detach().clone()) for p in params], sparsity=0.75, mask="random", seed=3)
+    twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(twin.param_masks(), opt.param_masks()))
+
+
+def test_every_pass_over_the_weights_sees_the_same_random_mask():
+    """Sequential perturbation, batched replicas and the fidelity instrument's z all redraw one mask alike."""
+    params = [torch.randn(20, 10), torch.randn(7)]
+    mask = RandomMask(5, 0.25)
+    masks = list(mask.for_params(params))
+    z = directions(params, 11, mask)
+    assert all(torch.equal(zi != 0, m) for zi, m in zip(z, masks))
+    shifted = [p.clone() for p in params]
+    perturb_(shifted, 11, 1e-3, mask)
+    stacks = replica_weights(params, [(11, (1e-3,))], mask)
+    assert all(torch.equal(stack[0], w) for stack, w in zip(stacks, shifted))
 
 
 def test_sparse_masks_are_fixed_at_start_and_survive_a_resume():

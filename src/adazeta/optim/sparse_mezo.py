@@ -1,10 +1,13 @@
-"""Sparse-MeZO (Liu et al. 2024): ZO-SGD that perturbs and updates only a fixed subset of each weight tensor.
+"""Sparse-MeZO (Liu et al. 2024): ZO-SGD that perturbs and updates only a subset of each weight tensor.
 
-The published method perturbs the *small-magnitude* weights: per tensor, the entries whose |w| lies at or below
-the ``1 - sparsity`` quantile. The AdaZeta reference code's Sparse-MeZO baseline used a random mask instead
-(25 % of the entries, i.e. ``sparsity`` 0.75); ``mask: random`` reproduces that. Masks are computed once, from
-the weights at the start of training (seeded for ``random``), and kept as one boolean per trainable entry: a
-memory cost of 1 byte per parameter, a quarter of the fp32 weights, and the method's only optimizer state.
+Two masks, per tensor, each moving the ``1 - sparsity`` fraction of its entries:
+
+- ``magnitude`` (the published method): the entries whose |w| lies at or below the ``1 - sparsity`` quantile of
+  the weights *at the start of training*. Computed once and kept as one boolean per trainable entry (a quarter of
+  the fp32 weights), the method's only optimizer state, saved with it so that a resumed run keeps it.
+- ``random`` (the AdaZeta reference code's Sparse-MeZO baseline, which moves 25 %: ``sparsity`` 0.75): a new
+  random mask every step, drawn from the step's seed (``mask_seed(seed, step)``) and shared by the step's +eps,
+  -eps and update passes and by all its queries. It is never stored: each pass redraws it parameter by parameter.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
-from adazeta.optim.spsa import Masks, decay_groups
+from adazeta.optim.spsa import Masks, RandomMask, decay_groups, mask_seed
 from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 
 MASK_KINDS = ("magnitude", "random")
@@ -34,24 +37,13 @@ def magnitude_mask(p: torch.Tensor, density: float) -> torch.Tensor:
     return p.detach().abs().float() <= threshold
 
 
-@torch.no_grad()
-def random_mask(p: torch.Tensor, density: float, generator: torch.Generator) -> torch.Tensor:
-    """Boolean mask with each entry kept with probability ``density``, drawn from ``generator`` (on CPU)."""
-    return (torch.rand(p.shape, generator=generator) < density).to(p.device)
-
-
-def sparse_masks(params: Sequence[torch.Tensor], sparsity: float, kind: str, seed: int) -> list[torch.Tensor]:
-    """One boolean mask per parameter: the ``1 - sparsity`` fraction of its entries that ZO-SGD may move."""
-    density = 1.0 - sparsity
-    if kind == "magnitude":
-        return [magnitude_mask(p, density) for p in params]
-    # A local generator: the mask never consumes (nor depends on) the global RNG.
-    generator = torch.Generator().manual_seed(seed)
-    return [random_mask(p, density, generator) for p in params]
+def sparse_masks(params: Sequence[torch.Tensor], sparsity: float) -> list[torch.Tensor]:
+    """The magnitude mask of every parameter: the ``1 - sparsity`` fraction of its entries that ZO-SGD may move."""
+    return [magnitude_mask(p, 1.0 - sparsity) for p in params]
 
 
 class SparseZOSGD(ZOSGD):
-    """ZO-SGD whose perturbations and updates are restricted to fixed per-parameter masks (Sparse-MeZO)."""
+    """ZO-SGD whose perturbations and updates are restricted to per-parameter masks (Sparse-MeZO)."""
 
     def __init__(
         self,
@@ -67,29 +59,37 @@ class SparseZOSGD(ZOSGD):
             raise ConfigError(f"SparseZOSGD mask={mask!r} must be one of {', '.join(MASK_KINDS)}")
         self.sparsity, self.mask_kind = sparsity, mask
         self._params = [p for group in self.param_groups for p in group["params"]]
-        # Computed once, from the starting weights: the set of moving entries never changes during training.
-        self._masks = sparse_masks(self._params, sparsity, mask, self.seed)
+        # magnitude: computed once, from the starting weights; random: redrawn from each step's seed, never stored.
+        self._masks = sparse_masks(self._params, sparsity) if mask == "magnitude" else None
 
     def masks(self, params: Sequence[torch.Tensor]) -> Masks:
+        """The masks of the coming step (``state_step``)."""
         if len(params) != len(self._params) or any(a is not b for a, b in zip(params, self._params)):
             raise ValueError("SparseZOSGD.masks got parameters other than the ones it was built with")
+        if self._masks is None:
+            return RandomMask(mask_seed(self.seed, self.state_step), 1.0 - self.sparsity)
         return self._masks
 
     def param_masks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(parameter, mask) pairs in the optimizer's parameter order."""
-        return list(zip(self._params, self._masks))
+        """(parameter, mask) pairs of the coming step, in the optimizer's order (random masks are materialised)."""
+        masks = self.masks(self._params)
+        if isinstance(masks, RandomMask):
+            masks = list(masks.for_params(self._params))
+        return list(zip(self._params, masks))
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        # The magnitude mask depends on the *starting* weights: resuming must reuse it, not recompute it.
-        state["sparse_masks"] = [m.cpu() for m in self._masks]
+        if self._masks is not None:
+            # The magnitude mask depends on the *starting* weights: resuming must reuse it, not recompute it.
+            # (A random mask needs nothing: it follows from the seed and the step count the base class saves.)
+            state["sparse_masks"] = [m.cpu() for m in self._masks]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         masks = state_dict.pop("sparse_masks", None)
         super().load_state_dict(state_dict)
-        if masks is not None:
+        if masks is not None and self._masks is not None:
             self._masks = [m.to(p.device) for m, p in zip(masks, self._params)]
 
 
@@ -99,9 +99,10 @@ class SparseZOSGDConfig(ZOSGDConfig):
 
     lr: float = 1e-6  # SPEC §5: 1e-6, like MeZO on all weights
     # Fraction of each tensor's entries that are never perturbed nor updated (Sparse-MeZO's "sparsity"):
-    # 0.75 moves the 25 % smallest-magnitude entries (or a random 25 % with mask=random).
+    # 0.75 moves the 25 % smallest-magnitude entries (or a random 25 %, redrawn each step, with mask=random).
     sparsity: float = 0.75
-    mask: str = "magnitude"  # magnitude: Sparse-MeZO's small-|w| mask; random: the AdaZeta reference baseline
+    # magnitude: Sparse-MeZO's small-|w| mask, fixed at the start; random: a new mask each step (AdaZeta reference)
+    mask: str = "magnitude"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -10,12 +10,10 @@ the seed, parameter by parameter in a fixed order, whenever it is needed. The no
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
-
-Masks = Sequence[torch.Tensor | None] | None
 
 _SEED_MASK = (1 << 63) - 1  # torch.Generator.manual_seed takes any 64-bit value; 63 bits stay a positive int64
 
@@ -29,22 +27,44 @@ def query_seed(run_seed: int, step: int, query: int) -> int:
     return int(state[0]) & _SEED_MASK
 
 
-class _Noise:
-    """Draws z ~ N(0, I) for a fixed sequence of parameters from one seed, one generator per device."""
+def mask_seed(run_seed: int, step: int) -> int:
+    """Seed of step k's random sparsity mask: a stream of its own, so it never repeats a query's seed."""
+    if run_seed < 0 or step < 0:
+        raise ValueError(f"mask_seed needs non-negative ints, got run_seed={run_seed}, step={step}")
+    state = np.random.SeedSequence([run_seed, step], spawn_key=(1,)).generate_state(1, dtype=np.uint64)
+    return int(state[0]) & _SEED_MASK
+
+
+class _Streams:
+    """Local generators seeded from one seed, one per device, created in the order devices are first met.
+
+    Parameters split over several devices get one stream each; later devices derive their seed so that their
+    draws do not repeat the first device's.
+    """
 
     def __init__(self, seed: int):
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def draw(self, p: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """A fresh z shaped like p (zero outside ``mask``): the one parameter-sized temporary."""
-        gen = self._generators.get(p.device)
+    def on(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
         if gen is None:
-            # Parameters split over several devices get one stream each; later devices derive their seed so
-            # that their draws do not repeat the first device's.
             n = len(self._generators)
             seed = self.seed if n == 0 else query_seed(self.seed, 0, n)
-            gen = self._generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            gen = self._generators[device] = torch.Generator(device=device).manual_seed(seed)
+        return gen
+
+
+class _Noise:
+    """Draws z ~ N(0, I) for a fixed sequence of parameters from one seed, one generator per device."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._streams = _Streams(seed)
+
+    def draw(self, p: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """A fresh z shaped like p (zero outside ``mask``): the one parameter-sized temporary."""
+        gen = self._streams.on(p.device)
         # Draw the full tensor even under a mask, so z is the same whatever the mask and the stream stays aligned.
         z = torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype)
         if mask is not None:
@@ -52,9 +72,35 @@ class _Noise:
         return z
 
 
+class RandomMask:
+    """Per-parameter masks that are never stored: each is redrawn from ``seed`` whenever a pass needs it.
+
+    Each entry is kept with probability ``density``. Masks are drawn parameter by parameter, in the parameters'
+    order, from local generators, so every pass over the same parameters (a step's +eps, -eps and update passes)
+    sees the same masks, at the cost of one uniform draw per entry and pass instead of one stored byte per entry.
+    """
+
+    def __init__(self, seed: int, density: float):
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"RandomMask density={density!r} must be in (0, 1]")
+        self.seed, self.density = seed, density
+
+    def for_params(self, params: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+        streams = _Streams(self.seed)
+        for p in params:
+            yield torch.rand(p.shape, generator=streams.on(p.device), device=p.device) < self.density
+
+
+# Which entries each parameter may move: None (all), one tensor (or None) per parameter, or a RandomMask.
+Masks = Sequence[torch.Tensor | None] | RandomMask | None
+
+
 def _masks_for(params: Sequence[torch.Tensor], masks: Masks) -> Iterable[torch.Tensor | None]:
+    """One mask (or None) per parameter, in order; a ``RandomMask`` is redrawn lazily, one tensor at a time."""
     if masks is None:
         return [None] * len(params)
+    if isinstance(masks, RandomMask):
+        return masks.for_params(params)
     if len(masks) != len(params):
         raise ValueError(f"got {len(masks)} masks for {len(params)} parameters")
     return masks
@@ -107,7 +153,6 @@ def zo_update_(
         raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
     if len(seeds) != len(grads):
         raise ValueError(f"got {len(seeds)} seeds for {len(grads)} projected gradients")
-    masks = list(_masks_for(params, masks))
     grads = torch.stack(list(grads)) if not isinstance(grads, torch.Tensor) else grads.reshape(-1)
     # mean: the reference code's 1/Q; sum: the paper slides' plain sum, whose step grows with Q.
     scale = 1.0 / len(seeds) if reduction == "mean" else 1.0
@@ -121,7 +166,7 @@ def zo_update_(
     # Queries outer, parameters inner: each z_q is drawn in the same order as in perturb_, so it is the same z.
     for q, seed in enumerate(seeds):
         noise = _Noise(seed)
-        for p, p_lr, m in zip(params, lrs, masks):
+        for p, p_lr, m in zip(params, lrs, _masks_for(params, masks)):
             z = noise.draw(p, m)
             coef = coefs[q] if coefs.device == p.device else coefs[q].to(p.device, non_blocking=True)
             # z * (-lr * grad_q / Q) with a 0-dim tensor factor: no host sync (``alpha=`` would need a float).
