@@ -1,19 +1,23 @@
 #!/usr/bin/env python
 """Build results/tables/<experiment>.{md,tex} from result files, with the paper's numbers beside ours.
 
-    python scripts/make_tables.py [--results results/runs ...] [--out results/tables]
+    python scripts/make_tables.py [--results results/runs ...] [--paper results/paper_numbers.csv]
+                                  [--out results/tables]
 
-Hyper-parameters are selected on dev only; test is reported as mean (std) over seeds, † counts diverged runs.
-Runs in seconds, on any machine: it reads JSON files, nothing else.
+Hyper-parameters are selected on dev only; test is reported as mean (std over seeds, ddof = 1), † counts
+diverged runs. Each published number carries a mark naming its source (publication, table, model, confirmed
+or not), spelled out in a legend under the table. Runs in seconds, on any machine: it reads JSON and CSV files.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import yaml
 
+from adazeta.errors import ConfigError
 from adazeta.tables import build_table, load_paper_numbers, load_results, select_on_dev, to_latex, to_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,18 +45,23 @@ def main() -> None:
 
     results = load_results([p for p in args.results if p.exists()])
     selected = select_on_dev(results) if len(results) else results
-    paper = load_paper_numbers(args.paper)
+    try:
+        paper = load_paper_numbers(args.paper)
+    except ConfigError as err:
+        print(f"make_tables: error: {err}", file=sys.stderr)
+        sys.exit(2)
     args.out.mkdir(parents=True, exist_ok=True)
     # stress tests (NAME_stress) run chosen settings at raised rates: nothing there is to be selected
-    experiments = sorted(e for e in set(paper["table"]) - {"memory"} | set(selected.get("experiment", []))
+    experiments = sorted(e for e in set(paper["experiment"]) - {"memory"} | set(selected.get("experiment", []))
                          if not str(e).endswith("_stress"))
     for name in experiments:
         methods, tasks = experiment_axes(name)
         table = build_table(selected, paper, name, methods, tasks)
-        caption = f"{name}: test accuracy x100, mean (std) over seeds; dev-selected; † = diverged runs"
+        caption = f"{name}: test accuracy x100 (F1 for generation tasks)"
         (args.out / f"{name}.md").write_text(f"# {caption}\n\n" + to_markdown(table))
         (args.out / f"{name}.tex").write_text(to_latex(table, caption))
-        print(f"{name}: {len(table)} methods x {(len(table.columns) - 1) // 2} tasks -> {args.out / name}.md/.tex")
+        print(f"{name}: {len(table.cells)} methods, {len(table.sources)} sources of published numbers "
+              f"-> {args.out / name}.md/.tex")
     if len(selected):
         selected.to_csv(args.out / "selected.csv", index=False)
     print(f"{len(results)} result files, {len(selected)} selected cells")

@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 
 from adazeta.run import parse
-from adazeta.tables import build_table, load_results, select_on_dev, to_latex, to_markdown
+from adazeta.errors import ConfigError
+from adazeta.tables import build_table, load_paper_numbers, load_results, select_on_dev, to_latex, to_markdown
 from conftest import CONF, ROOT, compose_cfg
 from test_cli import ENV
 
@@ -22,6 +23,90 @@ EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 def test_every_experiment_composes(name):
     s = parse(compose_cfg([f"experiment={name}"]))
     assert s.experiment == name
+
+
+def sweep_params(overrides: list[str]) -> dict:
+    """The Hydra sweeper params an experiment composes to (what `adazeta-run -m` sweeps)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    return {k: str(v) for k, v in cfg.hydra.sweeper.params.items()}
+
+
+# What the AdaZeta reference scripts pass (large_models/run_all_large_exp.sh, mezo.sh, finetune.sh):
+# method -> (lr, weight decay), eps 1e-3 on every ZO run.
+TABLE2_REFERENCE = {
+    "adazeta": (1e-4, 0.01),
+    "mezo": (5e-7, 0.01),
+    "mezo_lora": (1e-4, 0.01),
+    "sparse_mezo": (1e-6, 0.0),  # never launched by the scripts: SPEC's lr; our sparse update takes no decay
+    "ft": (1e-5, 0.0),
+}
+TABLE2_METHODS = ["zero_shot", "icl", "lp", "ft", "lora", "mezo", "mezo_lora", "sparse_mezo", "adazeta"]
+
+
+def queries(s) -> list[int]:
+    """Q at every epoch of a 10,000-step run on 1,000 examples at batch 16 (E = 160)."""
+    from adazeta.schedules import SCHEDULES
+
+    schedule = SCHEDULES.get(s.schedule.kind).builder(s.schedule.config, 160.0)
+    return [schedule(e) for e in range(160)]
+
+
+@pytest.mark.parametrize("method", TABLE2_METHODS)
+def test_table2_composes_to_what_the_reference_scripts_ran(method):
+    s = parse(compose_cfg(["experiment=table2_llama", f"method={method}", "task=rte"]))
+    first_order = method in ("ft", "lora")
+    assert s.model.name == "llama2-7b" and s.seed == 0 and s.experiment == "table2_llama"
+    assert (s.train.max_steps, s.train.batch_size, s.train.eval_every) == ((189 if first_order else 10000), 16, 200)
+    assert (s.data.num_train, s.data.num_dev, s.data.num_eval) == (1000, 500, 1000)
+    if method in TABLE2_REFERENCE:
+        lr, weight_decay = TABLE2_REFERENCE[method]
+        assert (s.optimizer.config.lr, s.optimizer.config.weight_decay) == (lr, weight_decay)
+    if s.optimizer is not None and s.optimizer.kind != "adamw":  # every ZO method
+        assert s.optimizer.config.eps == 1e-3
+        tuning = compose_cfg(["experiment=table2_llama"]).tuning
+        assert s.optimizer.config.lr in tuning[method]["method.optimizer.lr"]  # the grid holds the reference lr
+    if method == "adazeta":
+        # The reference code's schedule (SHRINK 0.85, NUM 20, NUM_MAX 15): beta derived from E, Q capped at 15.
+        assert s.schedule.kind == "adaptive_official"
+        assert (s.schedule.config.alpha, s.schedule.config.q_target, s.schedule.config.q_cap) == (0.85, 20, 15)
+        q = queries(s)
+        assert q[0] == 1 and max(q) == 15 and q == sorted(q)
+    elif method in ("mezo", "mezo_lora", "sparse_mezo"):
+        assert set(queries(s)) == {1}  # the MeZO trainer: one query per step
+    if method == "mezo_lora":
+        assert (s.adapter.config.r, s.adapter.config.alpha) == (8, 16)  # run.py's lora_r default; RANK is the TT rank
+    if method == "sparse_mezo":
+        assert (s.optimizer.config.mask, s.optimizer.config.sparsity) == ("random", 0.75)  # trainer_sparse.py
+
+
+def test_table2_sweeps_every_method_and_task_and_its_ablation_changes_only_the_schedule():
+    params = sweep_params(["experiment=table2_llama"])
+    assert params["method"].split(",") == TABLE2_METHODS and params["seed"] == "0"
+    assert len(params["task"].split(",")) == 10
+    ablation = parse(compose_cfg(["experiment=table2_llama_paper_schedule"]))
+    reference = parse(compose_cfg(["experiment=table2_llama", "method=adazeta"]))
+    assert ablation.method == "adazeta" and ablation.experiment == "table2_llama_paper_schedule"
+    assert ablation.schedule.kind == "adaptive"  # the paper's formula, Q = min(floor(0.85 e^0.45), 20)
+    assert (ablation.schedule.config.alpha, ablation.schedule.config.beta, ablation.schedule.config.q_max) == (
+        0.85, 0.45, 20)
+    assert queries(ablation) != queries(reference)
+    for part in ("optimizer", "adapter", "train", "data", "model"):
+        assert getattr(ablation, part) == getattr(reference, part), part
+    ablation_params = sweep_params(["experiment=table2_llama_paper_schedule"])
+    assert ablation_params == {**params, "method": "adazeta"}
+
+
+@pytest.mark.parametrize("method,lr,steps", [("adazeta", 1e-4, 80000), ("mezo_lora", 1e-4, 80000),
+                                             ("mezo", 1e-6, 80000), ("ft", 1e-5, 1000)])
+def test_table1_composes_to_what_the_medium_model_scripts_ran(method, lr, steps):
+    # medium_models/run_all_bert_exp.sh, mezo.sh (STEP 80,000, EVAL_STEP 1,000, WD 0), run_fewshot.sh (FT)
+    s = parse(compose_cfg(["experiment=table1_roberta", f"method={method}", "task=sst2"]))
+    assert (s.train.max_steps, s.train.eval_every, s.train.batch_size) == (steps, 1000, 16)
+    assert (s.optimizer.config.lr, s.optimizer.config.weight_decay) == (lr, 0.0)
+    assert s.schedule.kind == "constant" and s.schedule.config.q == 1
 
 
 def write_result(root: Path, method: str, seed: int, lr: float, dev: float, test: float, status: str = "finished",
@@ -35,6 +120,14 @@ def write_result(root: Path, method: str, seed: int, lr: float, dev: float, test
     (run / "result.json").write_text(json.dumps(record))
 
 
+PAPER_HEADER = "experiment,model,task,method,value,std,metric,source,table,confirmed,note"
+
+
+def write_paper(path: Path, *rows: str) -> Path:
+    path.write_text("\n".join([PAPER_HEADER, *rows]) + "\n")
+    return path
+
+
 def test_selection_uses_dev_never_test_and_aggregates_seeds(tmp_path):
     # lr 1e-3 has the better dev mean but the worse test: it must still be chosen.
     for seed, (dev, test) in enumerate([(0.80, 0.60), (0.70, 0.70)]):
@@ -45,18 +138,96 @@ def test_selection_uses_dev_never_test_and_aggregates_seeds(tmp_path):
     write_result(tmp_path, "mezo", 1, 1e-6, 0.6, 0.7)
     write_result(tmp_path, "mezo", 2, 1e-6, 0.0, 0.0, status="failed")  # failed runs are not results
     selected = select_on_dev(load_results([tmp_path]))
-    paper = pd.DataFrame([{"table": "fx", "model": "m", "task": "rte", "method": "adazeta", "value": 74.0}])
+    paper = load_paper_numbers(write_paper(tmp_path / "paper.csv",
+                                           "fx,m,rte,adazeta,74.0,,accuracy,Paper A,Table 2,yes,"))
     table = build_table(selected, paper, "fx", ["adazeta", "mezo", "ft"], ["rte"])
+    # std over seeds with ddof = 1: 0.60 and 0.70 -> 7.1 (ddof = 0 would give 5.0); 0.5 and 0.7 -> 14.1
     expected = pd.DataFrame(
         [
-            {"method": "adazeta", "rte": "65.0 (5.0)", "rte (paper)": "74.0"},
-            {"method": "mezo", "rte": "60.0 (10.0) †1", "rte (paper)": "—"},
-            {"method": "ft", "rte": "—", "rte (paper)": "—"},
+            {"method": "adazeta", "rte": "65.0 (7.1)", "rte (paper)": "74.0ᵃ", "paper sources": "ᵃ"},
+            {"method": "mezo", "rte": "60.0 (14.1) †1", "rte (paper)": "—", "paper sources": "—"},
+            {"method": "ft", "rte": "—", "rte (paper)": "—", "paper sources": "—"},
         ]
     )
-    pd.testing.assert_frame_equal(table, expected)
-    assert "| adazeta | 65.0 (5.0) | 74.0 |" in to_markdown(table)
-    assert r"60.0 (10.0) $^\dagger$1" in to_latex(table, "caption")
+    pd.testing.assert_frame_equal(table.cells, expected)
+    markdown = to_markdown(table)
+    assert "| adazeta | 65.0 (7.1) | 74.0ᵃ | ᵃ |" in markdown
+    assert "- Ours: mean (std over seeds, ddof = 1)" in markdown
+    assert "- ᵃ Paper A, Table 2, m: confirmed\n" in markdown
+    latex = to_latex(table, "caption")
+    assert r"60.0 (14.1) $^\dagger$1" in latex and r"74.0$^{\mathrm{a}}$" in latex
+    assert r"$^{\mathrm{a}}$ Paper A, Table 2, m: confirmed\par" in latex
+
+
+def test_every_paper_number_is_marked_with_its_source_and_mixed_rows_say_so(tmp_path):
+    paper = load_paper_numbers(write_paper(
+        tmp_path / "paper.csv",
+        "fx,big,rte,adazeta,74.0,,accuracy,Paper A,table not known,no,via a summary",
+        "fx,big,rte,mezo,54.6,,accuracy,Paper A,table not known,no,via a summary",
+        "fx,other,rte,mezo,64.0,3.3,accuracy,Paper B,Table 18,yes,another model",
+        "fx,other,sst2,mezo,90.5,1.2,accuracy,Paper B,Table 18,yes,another model",
+        "gx,big,rte,mezo,1.0,,accuracy,Paper C,Table 9,yes,",  # another experiment: not in this table
+    ))
+    table = build_table(select_on_dev(load_results([])), paper, "fx", ["adazeta", "mezo", "ft"], ["rte", "sst2"])
+    cells = table.cells.set_index("method")
+    # marks follow first use; a cell lists the confirmed number first, each with its own mark
+    assert cells.loc["adazeta", "rte (paper)"] == "74.0ᵃ"
+    assert cells.loc["mezo", "rte (paper)"] == "64.0 (3.3)ᵇ; 54.6ᵃ"
+    assert cells.loc["mezo", "sst2 (paper)"] == "90.5 (1.2)ᵇ"
+    assert list(cells["paper sources"]) == ["ᵃ", "ᵃ ᵇ mixed", "—"]
+    assert table.legend()[2:] == [
+        "ᵃ Paper A, table not known, big: unconfirmed (via a summary)",
+        "ᵇ Paper B, Table 18, other: confirmed (another model)",
+    ]
+    # an experiment without published numbers has no paper columns and says so
+    bare = build_table(select_on_dev(load_results([])), paper, "hx", ["adazeta"], ["rte"])
+    assert list(bare.cells.columns) == ["method", "rte"]
+    assert bare.legend()[-1] == "No published numbers for this experiment."
+
+
+def test_the_committed_paper_numbers_load_and_name_their_sources():
+    paper = load_paper_numbers(ROOT / "results" / "paper_numbers.csv")
+    assert len(paper) > 0 and paper["table"].str.len().min() > 0
+    adazeta = paper[paper["source"].str.startswith("AdaZeta")]
+    assert len(adazeta) and not adazeta["confirmed"].any()  # only a secondary summary so far (SPEC §7)
+    # where the AdaZeta paper's baseline numbers are unconfirmed, MeZO's own are beside them
+    for experiment, task, method in [("table1_roberta", "rte", "mezo_lora"), ("table2_llama", "rte", "mezo")]:
+        cell = paper[(paper["experiment"] == experiment) & (paper["task"] == task) & (paper["method"] == method)]
+        assert set(cell["source"].str.split().str[0]) == {"AdaZeta", "MeZO"}
+        assert cell.loc[cell["source"].str.startswith("MeZO"), "confirmed"].all()
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ("fx,m,rte,mezo,54.6,,accuracy,Paper A,Table 2,maybe,", "confirmed must be 'yes' or 'no', got 'maybe'"),
+        ("fx,m,rte,mezo,n/a,,accuracy,Paper A,Table 2,yes,", "value must be a finite number, got 'n/a'"),
+        ("fx,m,rte,mezo,54.6,-1,accuracy,Paper A,Table 2,yes,", "std must be a finite number >= 0, got '-1'"),
+        ("fx,m,rte,mezo,54.6,,accuracy,,Table 2,yes,", "source is empty"),
+        ("fx,m,rte,mezo,54.6,,accuracy,Paper A,Table 2,no,", "an unconfirmed number needs a note"),
+        ("fx,m,rte,mezo,54.6,,accuracy,Paper A,Table 2,yes", "expected 11 fields"),
+        ("fx,m,rte,adazeta,74.0,,accuracy,Paper A,Table 2,yes,", "repeats line 2"),
+    ],
+)
+def test_a_bad_paper_numbers_row_is_named_by_file_and_line(tmp_path, row, message):
+    path = write_paper(tmp_path / "paper.csv", "fx,m,rte,adazeta,74.0,,accuracy,Paper A,Table 2,yes,", row)
+    with pytest.raises(ConfigError) as err:
+        load_paper_numbers(path)
+    text = str(err.value)
+    assert text.startswith(f"{path} line 3: ") and message in text and "\n" not in text
+
+
+def test_make_tables_stops_on_a_bad_paper_file_with_one_line(tmp_path):
+    bad = tmp_path / "paper.csv"
+    bad.write_text("table,model,task,method,value,std,metric,source,confirmed\n")  # the schema before provenance
+    out = subprocess.run([sys.executable, "scripts/make_tables.py", "--results", str(tmp_path / "none"), "--paper",
+                          str(bad), "--out", str(tmp_path / "tables")], cwd=ROOT, env=ENV, capture_output=True,
+                         text=True)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"make_tables: error: {bad} line 1: the header must name the columns {PAPER_HEADER}, "
+        "got table,model,task,method,value,std,metric,source,confirmed"
+    ]
 
 
 def test_a_grid_at_one_seed_is_selected_on_that_seed_and_ties_go_to_the_lower_dev_loss(tmp_path):
@@ -132,3 +303,29 @@ def test_parallel_and_cluster_launchers(tmp_path, fixture_data, launcher):
     assert res.returncode == 0, res.stderr[-2000:]
     records = [json.loads(p.read_text()) for p in (tmp_path / "runs").rglob("result.json")]
     assert sorted(r["seed"] for r in records) == [0, 1] and {r["status"] for r in records} == {"finished"}
+
+
+def test_a_setting_is_what_the_run_used():
+    """Seeds, paths, the task's version and its other family's prompt format do not split a setting."""
+    from adazeta.tables import setting_of
+
+    def config(family, **changes):
+        cfg = {"seed": 0, "model": {"family": family}, "train": {"max_steps": 4},
+               "task": {"name": "sst2", "version": 3, "causal": {"template": "{s} It was"},
+                        "masked": {"template": "{s} It was {mask} ."}, "local": {"dir": "glue"}}}
+        for key, value in changes.items():
+            node = cfg
+            *parents, leaf = key.split("__")
+            for name in parents:
+                node = node[name]
+            node[leaf] = value
+        return cfg
+
+    causal = setting_of(config("causal"))
+    assert setting_of(config("causal", seed=1, task__version=4, task__masked={"template": "{s} It was{mask}."},
+                             data={"dir": "/x"})) == causal
+    assert setting_of(config("causal", task__causal={"template": "{s} It is"})) != causal
+    assert setting_of(config("causal", train__max_steps=5)) != causal
+    masked = setting_of(config("masked"))
+    assert setting_of(config("masked", task__causal={"template": "other"}, task__local={"dir": "x"})) == masked
+    assert setting_of(config("masked", task__masked={"template": "{s} It was{mask}."})) != masked

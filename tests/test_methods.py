@@ -326,8 +326,8 @@ def test_demonstrations_precede_the_prompt_and_truncation_keeps_the_test_example
 
 
 def test_masked_demonstrations_fill_the_mask_with_the_gold_word():
-    demo = Example("fine film It was <mask> .", ["terrible", "great"], 1)
-    assert demonstration_text(demo, "masked", "<mask>") == "fine film It was great ."
+    demo = Example("fine film It was<mask>.", ["terrible", "great"], 1)
+    assert demonstration_text(demo, "masked", "<mask>") == "fine film It was great."  # LM-BFF's " great" token
 
 
 def test_icl_run_prepends_demonstrations_to_dev_and_test(data_dir, tmp_path):

@@ -12,7 +12,7 @@ import torch
 
 from adazeta.run import execute, parse, run
 from adazeta.tracking import EVAL_COLUMNS, STEP_COLUMNS
-from conftest import compose_cfg, tiny_overrides
+from conftest import compose_cfg, tiny_overrides, write_fixture_data
 
 RESULT_KEYS = {
     "method", "task", "model", "seed", "status", "dev_accuracy", "test_accuracy", "best_step", "total_params",
@@ -125,6 +125,34 @@ def test_missing_data_fails_before_the_model_loads(tmp_path):
     with pytest.raises(ConfigError, match="data file not found"):
         run(compose_cfg(tiny_overrides(tmp_path / "nowhere")), tmp_path / "run")
     assert not (tmp_path / "run" / "result.json").exists()
+
+
+def test_zero_shot_needs_only_the_evaluation_split(fixture_data, tmp_path):
+    (fixture_data / "superglue" / "RTE" / "train.jsonl").unlink()
+    record = run_tiny(fixture_data, tmp_path / "alone", "method=zero_shot")
+    assert record["status"] == "finished" and (record["num_train"], record["num_dev"], record["num_eval"]) == (0, 0, 16)
+    assert record["dev_accuracy"] is None and record["dev_loss"] is None
+    assert [r["split"] for r in read_csv(tmp_path / "alone" / "eval.csv")] == ["test"]
+    # The test draw does not depend on the train split: with it, zero-shot scores the same test set (and a dev set).
+    with_train = run_tiny(write_fixture_data(tmp_path / "full"), tmp_path / "with", "method=zero_shot")
+    assert with_train["num_dev"] == 16 and with_train["dev_accuracy"] is not None
+    assert (with_train["test_loss"], with_train["test_accuracy"]) == (record["test_loss"], record["test_accuracy"])
+
+
+@pytest.mark.parametrize(
+    "method,use", [("icl", "for its demonstrations"), ("lp", "to fit its probe"), ("mezo", "to train"), ("ft", "to train")]
+)
+def test_a_method_that_uses_the_train_split_names_it_before_the_model_loads(method, use, fixture_data, tmp_path):
+    from adazeta.errors import ConfigError
+
+    train = fixture_data / "superglue" / "RTE" / "train.jsonl"
+    train.unlink()
+    with pytest.raises(ConfigError) as err:
+        run_tiny(fixture_data, tmp_path / "run", f"method={method}")
+    message = str(err.value)
+    assert message.startswith(f"method '{method}' needs the train split {use}: data file not found: {train}; ")
+    assert "\n" not in message and "ADAZETA_DATA_DIR" in message  # one line, with the way out
+    assert not (tmp_path / "run" / "result.json").exists()  # stopped in the start-up checks, before any model
 
 
 def test_a_crash_is_recorded_as_failed(fixture_data, tmp_path, monkeypatch):

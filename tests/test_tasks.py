@@ -27,7 +27,7 @@ def test_sst2_templates_for_both_families():
     # GLUE sentences end in a space: stripped, as MeZO does, so the prompt has no double space
     assert render(s, "causal", {"sentence": "fine film ", "label": 1}, 1).prompt == "fine film It was"
     masked = render(s, "masked", {"sentence": "fine film", "label": 1}, 1, mask_token="<mask>")
-    assert masked.prompt == "fine film It was <mask> ." and masked.candidates == ["terrible", "great"]
+    assert masked.prompt == "fine film It was<mask>." and masked.candidates == ["terrible", "great"]
 
 
 def test_labels_normalise_from_strings_ints_and_bools():

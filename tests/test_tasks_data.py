@@ -7,13 +7,16 @@ import json
 from collections import Counter
 
 import datasets
+import numpy as np
 import pytest
 
 from adazeta.errors import ConfigError
 from adazeta.run import parse
-from adazeta.tasks.loaders import DataConfig, KSHOT_SEEDS, kshot_indices, load_rows, load_task, local_files, split_sizes
-from adazeta.tasks.spec import TaskSpec
-from conftest import SHARED_DATA, compose_cfg, needs_shared_data
+from adazeta.tasks.loaders import (
+    DataConfig, KSHOT_SEEDS, check_data, kshot_indices, load_rows, load_task, local_files, split_sizes,
+)
+from adazeta.tasks.spec import TaskSpec, render
+from conftest import SHARED_DATA, compose_cfg, needs_shared_data, write_fixture_data
 
 
 def spec(name: str, *overrides: str) -> TaskSpec:
@@ -80,6 +83,12 @@ def test_real_boolq_has_validation_only_and_says_how_to_train():
     data = load_task(fewglue, DataConfig(num_dev=8, num_eval=10, dir=str(SHARED_DATA)), "causal", seed=0)
     assert (len(data.train), len(data.dev), len(data.eval)) == (24, 8, 10)
     assert data.source.endswith("fewglue32/BoolQ (test: local:" + str(SHARED_DATA / "superglue/BoolQ") + ")")
+    # zero-shot needs only the validation file; what needs train says so
+    check_data(spec("boolq"), DataConfig(dir=str(SHARED_DATA)), "causal")
+    with pytest.raises(ConfigError, match=r"^method 'mezo' needs the train split to train: data file not found: "):
+        check_data(spec("boolq"), DataConfig(dir=str(SHARED_DATA)), "causal", "method 'mezo' needs the train split to train")
+    zero_shot = load_task(spec("boolq"), DataConfig(num_eval=10, dir=str(SHARED_DATA)), "causal", 0, need_train=False)
+    assert (len(zero_shot.train), len(zero_shot.dev), len(zero_shot.eval)) == (0, 0, 10)
 
 
 # LM-BFF 16-shot splits: (task, classes, test rows or None where the copy has no test file)
@@ -110,7 +119,7 @@ def test_real_lm_bff_test_set_is_subsampled_to_num_eval():
     assert (len(data.train), len(data.dev), len(data.eval)) == (80, 80, 1000)
     again = load_task(spec("sst5"), DataConfig(dir=str(SHARED_DATA), kshot_seed=42), "masked", seed=7, mask_token="<m>")
     assert [e.prompt for e in data.eval] == [e.prompt for e in again.eval]  # the data seed fixes it, not the run seed
-    assert all(e.prompt.endswith("It was <m> .") for e in data.train)
+    assert all(e.prompt.endswith("It was<m>.") for e in data.train)
 
 
 @needs_shared_data
@@ -122,6 +131,58 @@ def test_mezo_protocol_keeps_100_dev_for_cb_and_copa():
 
 # ----------------------------------------------------------------------------------------------------------------
 # Sampling
+
+
+def mezo_subset(n: int, seed: int, num: int) -> list[int]:
+    """MeZO's ``Dataset.sample_subset``: under a temporarily seeded global NumPy RNG, the first ``num`` of a
+    permutation of the split (written here independently of the loader)."""
+    state = np.random.get_state()
+    np.random.seed(seed)
+    try:
+        return np.random.permutation(n).tolist()[:num]
+    finally:
+        np.random.set_state(state)
+
+
+def rendered(task: TaskSpec, rows: list[dict], idx: list[int]) -> list:
+    return [render(task, "causal", rows[i], rows[i]["label"]) for i in idx]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 42])
+def test_the_test_subset_is_mezos_draw_for_the_seed_whatever_train_and_dev_take(tmp_path, seed):
+    data_dir = write_fixture_data(tmp_path, n_train=120, n_eval=40)
+    rte = spec("rte")
+    rows, _ = load_rows(rte, "eval", str(data_dir))
+    expected = rendered(rte, rows, mezo_subset(40, seed, 15))
+    for num_train, num_dev in ((20, 10), (100, 20), (8, 4)):
+        data = load_task(rte, DataConfig(num_train=num_train, num_dev=num_dev, num_eval=15, dir=str(data_dir)),
+                         "causal", seed=seed)
+        assert data.eval == expected
+    # num_eval beyond the split: the whole split, in the order of MeZO's permutation
+    whole = load_task(rte, DataConfig(num_train=20, num_dev=10, num_eval=1000, dir=str(data_dir)), "causal", seed)
+    assert whole.eval == rendered(rte, rows, mezo_subset(40, seed, 1000)) and len(whole.eval) == 40
+    # data.seed, when set, is the seed of the draw (as MeZO's train_set_seed)
+    other = load_task(rte, DataConfig(num_eval=15, seed=seed, dir=str(data_dir)), "causal", seed=seed + 7)
+    assert other.eval == expected
+
+
+def test_train_and_dev_are_mezos_train_draw(tmp_path):
+    # MeZO draws num_train + num_dev rows of the train split with the seed; dev is the last num_dev of them.
+    data_dir = write_fixture_data(tmp_path, n_train=120, n_eval=40)
+    rte = spec("rte")
+    rows, _ = load_rows(rte, "train", str(data_dir))
+    drawn = mezo_subset(120, 3, 30 + 20)
+    data = load_task(rte, DataConfig(num_train=30, num_dev=20, num_eval=5, dir=str(data_dir)), "causal", seed=3)
+    assert data.train == rendered(rte, rows, drawn[:30]) and data.dev == rendered(rte, rows, drawn[30:])
+
+
+@needs_shared_data
+@pytest.mark.parametrize("task", ["boolq", "multirc"])
+def test_real_test_subsets_are_mezos(task):
+    task_spec = spec(task)
+    rows, _ = load_rows(task_spec, "eval", str(SHARED_DATA))
+    data = load_task(task_spec, DataConfig(num_eval=1000, dir=str(SHARED_DATA)), "causal", seed=0, need_train=False)
+    assert data.eval == rendered(task_spec, rows, mezo_subset(len(rows), 0, 1000))
 
 
 def test_split_sizes_follow_mezo():
@@ -170,7 +231,7 @@ def test_hub_class_names_map_onto_the_task_label_order(monkeypatch):
     assert (len(data.train), len(data.dev), len(data.eval)) == (12, 12, 12)
     s = spec("mnli")
     for ex in data.train + data.eval:
-        i = int(ex.prompt.split()[0][1:])  # "p{i} ? <m> , h{i}"
+        i = int(ex.prompt.rsplit(", h", 1)[1])  # "p{i} without its last character?<m>, h{i}"
         assert s.labels[ex.gold] == names[i % 3]
     assert Counter(ex.gold for ex in data.dev) == {0: 4, 1: 4, 2: 4}
     assert not {e.prompt for e in data.train} & {e.prompt for e in data.dev}
@@ -189,8 +250,8 @@ def test_hub_columns_are_renamed_to_the_task_fields(monkeypatch):
     ds = datasets.Dataset.from_list([{"text": f"q{i} ?", "coarse_label": i % 6} for i in range(60)], features=features)
     fake_hub(monkeypatch, {"train": ds, "test": ds})
     data = load_task(spec("trec"), DataConfig(num_eval=6, k=2), "masked", seed=0, mask_token="<m>")
-    assert len(data.train) == 12 and data.train[0].prompt.startswith("<m> : q")
-    abbr = next(e for e in data.eval if int(e.prompt.split()[2][1:]) % 6 == 0)
+    assert len(data.train) == 12 and data.train[0].prompt.startswith("<m>: q")
+    abbr = next(e for e in data.eval if int(e.prompt.split()[1][1:]) % 6 == 0)  # "<m>: q{i} ?"
     assert abbr.candidates[abbr.gold] == "Expression"  # ABBR, whatever index the Hub gives it
 
 

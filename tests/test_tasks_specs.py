@@ -16,11 +16,12 @@ MASKED_TASKS = ["sst2", "sst5", "mr", "cr", "snli", "mnli", "qnli", "rte", "trec
 
 NLI = {"premise": "A man runs.", "hypothesis": "A person moves."}
 SENTENCE = {"sentence": "a gripping film"}
-# A fixture row per task, the prompts SPEC §6 gives for it, and each raw label's word (candidate).
+# A fixture row per task, the prompts SPEC §6 gives for it (masked: LM-BFF's exact strings, checked against LM-BFF's
+# template language in tests/test_lmbff_templates.py), and each raw label's word (candidate).
 FIXTURES = {
-    "sst2": (SENTENCE, "a gripping film It was", "a gripping film It was <mask> .", {0: "terrible", 1: "great"}),
+    "sst2": (SENTENCE, "a gripping film It was", "a gripping film It was<mask>.", {0: "terrible", 1: "great"}),
     "rte": (NLI, 'A man runs.\nDoes this mean that "A person moves." is true? Yes or No?\n',
-            "A man runs. ? <mask> , A person moves.", {"entailment": "Yes", "not_entailment": "No"}),
+            "A man runs?<mask>, a person moves.", {"entailment": "Yes", "not_entailment": "No"}),
     "cb": (NLI, 'Suppose A man runs. Can we infer that "A person moves."? Yes, No, or Maybe?\n', None,
            {"entailment": "Yes", "contradiction": "No", "neutral": "Maybe"}),
     "boolq": ({"passage": "Cats purr.", "question": "do cats purr"}, "Cats purr. Do cats purr?\n", None,
@@ -34,17 +35,17 @@ FIXTURES = {
     "multirc": ({"paragraph": "Cats purr.", "question": "What do cats do?", "answer": "Purr"},
                 'Cats purr.\nQuestion: What do cats do?\nI found this answer "Purr". Is that correct? Yes or No?\n',
                 None, {0: "No", 1: "Yes"}),
-    "sst5": (SENTENCE, None, "a gripping film It was <mask> .",
+    "sst5": (SENTENCE, None, "a gripping film It was<mask>.",
              {0: "terrible", 1: "bad", 2: "okay", 3: "good", 4: "great"}),
-    "mr": (SENTENCE, None, "a gripping film It was <mask> .", {0: "terrible", 1: "great"}),
-    "cr": (SENTENCE, None, "a gripping film It was <mask> .", {0: "terrible", 1: "great"}),
-    "snli": (NLI, None, "A man runs. ? <mask> , A person moves.",
+    "mr": (SENTENCE, None, "a gripping film It was<mask>.", {0: "terrible", 1: "great"}),
+    "cr": (SENTENCE, None, "a gripping film It was<mask>.", {0: "terrible", 1: "great"}),
+    "snli": (NLI, None, "A man runs?<mask>, a person moves.",
              {"contradiction": "No", "entailment": "Yes", "neutral": "Maybe"}),
-    "mnli": (NLI, None, "A man runs. ? <mask> , A person moves.",
+    "mnli": (NLI, None, "A man runs?<mask>, a person moves.",
              {"contradiction": "No", "entailment": "Yes", "neutral": "Maybe"}),
-    "qnli": ({"question": "Who runs?", "sentence": "A man runs."}, None, "Who runs? ? <mask> , A man runs.",
+    "qnli": ({"question": "Who runs?", "sentence": "A man runs."}, None, "Who runs?<mask>, a man runs.",
              {"entailment": "Yes", "not_entailment": "No"}),
-    "trec": ({"question": "Who wrote Hamlet ?"}, None, "<mask> : Who wrote Hamlet ?",
+    "trec": ({"question": "Who wrote Hamlet ?"}, None, "<mask>: Who wrote Hamlet ?",
              {"DESC": "Description", "ENTY": "Entity", "ABBR": "Expression", "HUM": "Human", "LOC": "Location",
               "NUM": "Number"}),
 }

@@ -46,12 +46,16 @@ def sample_demonstrations(train: Sequence[Example], k: int, seed: int) -> list[E
 
 
 def demonstration_text(example: Example, family: str, mask_token: str | None = None) -> str:
-    """A solved example: prompt + gold answer (causal), or the prompt with the gold word at the mask (masked)."""
+    """A solved example: prompt + gold answer (causal), or the prompt with the gold word at the mask (masked).
+
+    Masked templates put no space before the mask because the label word's token carries it (`` great``, as
+    in LM-BFF), so the word goes in with its space: "It was{mask}." becomes "It was great.".
+    """
     answer = example.candidates[example.gold]
     if family == "masked":
         if mask_token is None or mask_token not in example.prompt:
             raise ConfigError("masked demonstrations need the tokenizer's mask token in the prompt")
-        return example.prompt.replace(mask_token, answer.strip(), 1)
+        return example.prompt.replace(mask_token, " " + answer.strip(), 1)
     # A trailing newline ending the answer (generation tasks' stop marker) would double the separator.
     return (example.prompt + answer).rstrip("\n")
 
@@ -63,8 +67,9 @@ def fits_in(tokenizer: Any, family: str, max_length: int) -> Callable[[str, Sequ
     def fits(prompt: str, candidates: Sequence[str]) -> bool:
         if family == "masked":
             return len(tokenizer(prompt, add_special_tokens=True)["input_ids"]) <= max_length
-        longest = max((len(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in candidates), default=0)
-        return bos + len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) + longest <= max_length
+        # The shared prompt and a candidate's ids together are the joint tokenisation of prompt + candidate.
+        texts = [prompt + c for c in candidates] or [prompt]
+        return bos + max(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts) <= max_length
 
     return fits
 

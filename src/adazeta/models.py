@@ -36,7 +36,7 @@ class ModelConfig:
     architecture: dict[str, Any] | None = None  # model_type + config fields; dry runs build it on `meta`
     dtype: str = "fp32"  # fp32 or bf16 for the backbone; adapters always stay fp32
     device: str = "auto"  # auto picks CUDA when present, else CPU
-    max_length: int = 512  # prompt + candidate tokens; longer prompts are cut from the left
+    max_length: int = 512  # prompt + candidate tokens; longer prompts are truncated (scoring.encode)
     model_dir: str | None = None  # local model directory; defaults to $ADAZETA_MODEL_DIR
     revision: str | None = None  # Hub revision, for reproducible downloads
     tt_shapes: dict[str, list[int]] | None = None  # reference TT modes {down, up} for this hidden size (SPEC §2)

@@ -151,6 +151,17 @@ def compose_settings(overrides: list[str]) -> Settings:
         return parse(compose(config_name="config", overrides=overrides))
 
 
+def train_use(s: Settings) -> str | None:
+    """What the method takes from the train split, or None: zero-shot uses it only for dev, and runs without it."""
+    if s.demonstrations is not None:
+        return "for its demonstrations"
+    if s.probe is not None:
+        return "to fit its probe"
+    if s.optimizer is not None:
+        return "to train"
+    return None
+
+
 def preflight(s: Settings) -> None:
     """Checks that need no model: adapter shapes against the architecture, local model and data files."""
     hidden = s.model.hidden_size
@@ -159,7 +170,9 @@ def preflight(s: Settings) -> None:
     if s.dry_run:
         return
     resolve_source(s.model)
-    check_data(s.task, s.data, s.model.family)
+    use = train_use(s)
+    needed_by = None if use is None else f"method {s.method!r} needs the train split {use}"
+    check_data(s.task, s.data, s.model.family, needed_by)
     if s.optimizer is None and s.adapter.kind != "none":
         raise ConfigError(f"method {s.method!r} trains an adapter but has no optimizer; set method.optimizer")
     if s.adapter.kind == "full" and s.optimizer and getattr(s.optimizer.config, "batched_queries", False):
@@ -209,7 +222,7 @@ def build(s: Settings) -> Built:
     log.info("model %s from %s on %s: %s parameters, %s trainable (%s)", s.model.name, loaded.source.kind,
              loaded.device, f"{total:,}", f"{trainable:,}", s.adapter.kind)
     family, tok = loaded.family, loaded.tokenizer
-    data = load_task(s.task, s.data, family, s.seed, getattr(tok, "mask_token", None))
+    data = load_task(s.task, s.data, family, s.seed, getattr(tok, "mask_token", None), train_use(s) is not None)
     demonstrations = None
     if s.demonstrations is not None:  # ICL: the mean number of demonstrations that fit a test prompt
         demonstrations = add_demonstrations_(data, s.demonstrations, tok, family, s.model.max_length, s.seed)
@@ -234,6 +247,8 @@ def schedule_epochs(s: Settings, num_train: int) -> tuple[float, float | None]:
     reference schedule's exponent is derived from the epochs the budget actually reaches, so that its last
     epoch, not an epoch the run never sees, gets Q = q_target.
     """
+    if num_train == 0:  # a training-free run without a train split: the schedule is never asked
+        return 0.0, None
     per_epoch = num_train / s.train.batch_size
     epochs = s.train.max_steps / per_epoch
     budget = s.train.max_forward_passes
@@ -318,7 +333,12 @@ def execute(s: Settings, run_dir: Path) -> dict[str, Any]:
             num_eval=len(data.eval),
             data_source=data.source,
             model_source=dataclasses.asdict(b.loaded.source),
+            truncated={split: sum(e.truncated for e in items) for split, items in enc.items()},
         )
+        for split, n in record["truncated"].items():  # cut by encode(), never refused
+            if n:
+                log.warning("%s: %d of %d examples were truncated to fit model.max_length=%d (or the task's "
+                            "reference limits)", split, n, len(enc[split]), s.model.max_length)
         if b.schedule_epochs is not None:
             record["schedule_epochs"] = b.schedule_epochs
         if optimizer is not None and getattr(optimizer, "zeroth_order", False):
@@ -374,6 +394,8 @@ def execute(s: Settings, run_dir: Path) -> dict[str, Any]:
             device=device_info(device),
             peak_mem_mb=round(peak_memory_mb(device), 1),
         )
+        if not outcome.best_dev.n:  # no dev set (training-free, without a train split): null, not NaN
+            record.update(initial_dev_loss=None, initial_dev_accuracy=None, dev_loss=None, dev_accuracy=None)
         log.info(
             "%s after %d steps (best dev step %d): dev accuracy %.4f -> %.4f, test accuracy %.4f; results in %s",
             outcome.status, outcome.steps, outcome.best_step, outcome.initial_dev.accuracy,

@@ -48,6 +48,7 @@ class Encoded:
     prompt: list[int]
     candidates: list[list[int]]
     gold: int
+    truncated: bool = False  # the prompt was cut to fit model.max_length
 
     @property
     def shared_prompt(self) -> bool:
@@ -151,37 +152,146 @@ def _encode_text(tokenizer: Any, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def encode(examples: Sequence[Example], tokenizer: Any, family: str, max_length: int) -> list[Encoded]:
-    """Tokenise prompts and candidates separately (so the candidate tokens are exactly the scored ones).
+def _encode_masked_body(tokenizer: Any, ex: Example) -> tuple[list[int], bool]:
+    """A masked prompt's ids without special tokens, as LM-BFF builds them, and whether a sentence was cut.
 
-    Prompts too long for ``max_length`` are cut from the left, which keeps the question and the candidate whole.
+    LM-BFF's ``tokenize_multipart_input`` encodes each part of a template on its own and concatenates the ids;
+    a one-character literal (``?``, ``,``, ``.``, ``:``) is looked up as a token, and a sentence keeps at most
+    ``first_sent_limit`` (the first) or ``other_sent_limit`` (the others) tokens. Encoding the joined text in one
+    piece differs where a part boundary is not a word boundary: the premise ``"... known as "`` before ``"?"``
+    gives ``" ?"`` as one token. A prompt that is not its parts' concatenation (demonstrations were prepended)
+    encodes the extra head in one piece, then the parts.
+    """
+    parts = ex.meta.get("parts")
+    text = "".join(parts) if parts else ""
+    if not parts or not ex.prompt.endswith(text):
+        return _encode_text(tokenizer, ex.prompt), False
+    head = ex.prompt[: len(ex.prompt) - len(text)]
+    ids = _encode_text(tokenizer, head) if head else []
+    limits = ex.meta.get("limits") or {}
+    sentences = ex.meta.get("sentences", [])
+    unk, cut = getattr(tokenizer, "unk_token_id", None), False
+    for i, part in enumerate(parts):
+        if part == tokenizer.mask_token:
+            ids.append(tokenizer.mask_token_id)
+            continue
+        if len(part) == 1 and i not in sentences:
+            token = tokenizer.convert_tokens_to_ids(part)
+            if token is not None and token != unk:
+                ids.append(token)
+                continue
+        piece = _encode_text(tokenizer, part)
+        if i in sentences:
+            limit = limits.get("first_sent_limit" if i == sentences[0] else "other_sent_limit")
+            if limit is not None and len(piece) > limit:
+                piece, cut = piece[:limit], True
+        ids += piece
+    return ids, cut
+
+
+def _with_special_tokens(tokenizer: Any, text: str, body: list[int]) -> list[int]:
+    """``body`` between the special tokens the tokenizer adds around ``text`` (``<s>``/``</s>``, ``[CLS]``/``[SEP]``)."""
+    full = tokenizer(text, add_special_tokens=True, truncation=False)["input_ids"]
+    plain = _encode_text(tokenizer, text)
+    start = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), None)
+    if start is None:  # a tokenizer whose special tokens change the text's own ids: keep its encoding
+        return full
+    return full[:start] + body + full[start + len(plain) :]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def split_joint(tokenizer: Any, prompt: str, candidates: Sequence[str]) -> tuple[list[int], list[list[int]]]:
+    """(prompt ids, each candidate's ids), the candidates' ids taken from the tokenisation of prompt + candidate.
+
+    MeZO tokenises the whole verbalised string and scores its tail. Tokenising a candidate on its own can differ:
+    a SentencePiece tokenizer (Llama-2, Gemma) puts its word-start marker and prefix space before a lone ``Yes``
+    or `` great``, which inside the joint string is ``Yes`` after a newline or one ``▁great`` token. The shared
+    prompt is the longest head that the prompt's own tokenisation and every joint tokenisation have in common,
+    so each candidate, read after it, is exactly its joint string. Usually that head is the whole prompt. When
+    the joint tokenisation merges across the boundary (a trailing space that joins the candidate's first word,
+    as after ReCoRD's ``- ``), the merged tokens belong to the candidate, as MeZO, which strips the prompt's
+    trailing spaces, scores them.
+    """
+    head, *joint = tokenizer([prompt] + [prompt + c for c in candidates], add_special_tokens=False)["input_ids"]
+    shared = min([len(head)] + [_common_prefix(head, j) for j in joint])
+    for cand, ids in zip(candidates, joint):
+        if len(ids) <= shared:
+            raise ConfigError(f"candidate {cand!r} adds no token to its prompt; every candidate needs text to score")
+    return head[:shared], [ids[shared:] for ids in joint]
+
+
+def _truncate_causal(prompt: list[int], longest: int, bos: list[int], max_length: int) -> list[int]:
+    """The prompt's last tokens that fit before the longest candidate, after the BOS token (MeZO's left cut)."""
+    if longest >= max_length:
+        raise ConfigError(f"a candidate of {longest} tokens does not fit model.max_length={max_length}")
+    room = max_length - len(bos) - longest
+    return bos + prompt[max(len(prompt) - room, 0) :]
+
+
+def _truncate_masked(ids: list[int], body: list[int], mask_id: int, max_length: int) -> list[int]:
+    """``max_length`` tokens of a masked prompt, the mask always among them.
+
+    LM-BFF keeps the first ``max_length`` tokens (its default; the reference scripts never set
+    ``truncate_head``) and stops if the mask is not among them. Here that tail cut is taken whenever the mask
+    survives it; otherwise (a long sentence before the mask: SST-2's before "It was<mask>.", an NLI premise) the
+    text on each side of the mask loses tokens from its far end, the longer side first, and the special tokens
+    (``<s>``, ``</s>``) and the template words around the mask stay. ``ids`` is ``body``, the text's tokens,
+    between the special tokens the tokenizer adds.
+    """
+    if mask_id in ids[:max_length]:
+        return ids[:max_length]
+    start = next(i for i in range(len(ids) - len(body) + 1) if ids[i : i + len(body)] == body)
+    end = start + len(body)
+    at = ids.index(mask_id, start)
+    left, right = at - start, end - at - 1
+    keep = left + right - (len(ids) - max_length)
+    keep_right = min(right, max(keep - left, keep // 2))
+    keep_left = keep - keep_right
+    return ids[:start] + ids[at - keep_left : at + 1 + keep_right] + ids[end:]
+
+
+def encode(examples: Sequence[Example], tokenizer: Any, family: str, max_length: int) -> list[Encoded]:
+    """Token ids of each example: the shared prompt, the candidates' continuations, whether the prompt was cut.
+
+    Causal LMs: candidates as MeZO tokenises them (:func:`split_joint`); a prompt too long for ``max_length`` with
+    its longest candidate keeps its BOS token and its last tokens (MeZO's left truncation, which keeps the
+    question and the candidates whole; MeZO cuts each candidate's sequence on its own, so a shorter candidate
+    sees the context of the longest one here). Masked LMs: the template's parts encoded and limited as LM-BFF
+    does (:func:`_encode_masked_body`), within the model's special tokens, cut to the smaller of ``max_length``
+    and the template's own ``max_length`` (:func:`_truncate_masked`); label words are one token each, as in
+    LM-BFF. ``truncated`` counts any cut: a sentence limit or the prompt's length.
     """
     out = []
     bos = [tokenizer.bos_token_id] if family == "causal" and getattr(tokenizer, "add_bos_token", False) else []
     for ex in examples:
         if family == "masked":
-            prompt = tokenizer(ex.prompt, add_special_tokens=True, truncation=False)["input_ids"]
+            body, cut = _encode_masked_body(tokenizer, ex)
+            prompt = _with_special_tokens(tokenizer, ex.prompt, body)
+            limit = (ex.meta.get("limits") or {}).get("max_length")
+            length = max_length if limit is None else min(limit, max_length)
             cands = []
             for word in ex.candidates:
                 ids = _encode_text(tokenizer, " " + word.strip())
                 if len(ids) != 1:
                     raise ConfigError(f"label word {word!r} is {len(ids)} tokens for this tokenizer; masked scoring needs one")
                 cands.append(ids)
-            if len(prompt) > max_length:
-                mask_at = prompt.index(tokenizer.mask_token_id)
-                cut = len(prompt) - max_length
-                if cut >= mask_at:
-                    raise ConfigError(f"prompt longer than model.max_length={max_length} even after truncation")
-                prompt = prompt[:1] + prompt[1 + cut :]
+            truncated = cut or len(prompt) > length
+            if len(prompt) > length:
+                prompt = _truncate_masked(prompt, body, tokenizer.mask_token_id, length)
         else:
-            prompt = bos + _encode_text(tokenizer, ex.prompt)
-            cands = [_encode_text(tokenizer, c) for c in ex.candidates]
+            prompt, cands = split_joint(tokenizer, ex.prompt, ex.candidates)
             longest = max(len(c) for c in cands)
-            if longest >= max_length:
-                raise ConfigError(f"a candidate of {longest} tokens does not fit model.max_length={max_length}")
-            if len(prompt) + longest > max_length:
-                prompt = prompt[len(prompt) + longest - max_length :]
-        out.append(Encoded(prompt, cands, ex.gold))
+            truncated = len(bos) + len(prompt) + longest > max_length
+            prompt = _truncate_causal(prompt, longest, bos, max_length) if truncated else bos + prompt
+        out.append(Encoded(prompt, cands, ex.gold, truncated))
     return out
 
 

@@ -1,24 +1,38 @@
 """Result tables: collect result records, select hyper-parameters on dev, aggregate test over seeds (SPEC §7-8).
 
 Selection never looks at test: for each (experiment, model, task, method) the hyper-parameter setting with the
-best mean dev metric over its seeds is chosen, and only then is its test metric reported, as mean and standard
-deviation over seeds, with the number of runs that diverged.
+best mean dev metric over its seeds is chosen, and only then is its test metric reported, as mean and sample
+standard deviation (ddof = 1) over seeds, with the number of runs that diverged.
+
+Published numbers sit beside ours with their provenance: every number carries a footnote mark naming the
+publication, the table in it, the model it was measured on and whether it was checked against the publication
+itself, and a legend under the table spells the marks out. A row whose numbers come from more than one source
+says so.
 """
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 import pandas as pd
 
+from adazeta.errors import ConfigError
+
 # Keys that say which run it is (seeds) or where things live, not which hyper-parameters were used.
 SEED_KEYS = {"seed", "data.seed", "data.kshot_seed"}
-IGNORED_KEYS = {"force", "dry_run", "experiment_name", "data.dir", "model.model_dir", "train.eval_batch_size"}
+# ``task.version`` too: the prompt format the run used is compared itself (``task.causal.*`` or ``task.masked.*``),
+# which a version bump for the other family does not change. ``train.checkpoint_every`` never changes a number.
+IGNORED_KEYS = {"force", "dry_run", "experiment_name", "data.dir", "model.model_dir", "train.eval_batch_size",
+                "train.checkpoint_every", "task.version"}
 IGNORED_PREFIXES = ("wandb.", "hydra.")
+# A task's settings for the other model family: a causal run never reads its masked template, and vice versa.
+OTHER_FAMILY = {"causal": ("task.masked.", "task.masked_data."), "masked": ("task.causal.", "task.hub.", "task.local.")}
 GROUP = ["experiment", "model", "task", "method"]
 MISSING = "—"
 
@@ -35,12 +49,14 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def setting_of(config: dict[str, Any]) -> dict[str, Any]:
-    """The hyper-parameters of a run: its flattened config without seeds, paths and logging keys."""
+    """The hyper-parameters of a run: its flattened config without seeds, paths, logging keys and the task's
+    settings for the other model family."""
     flat = flatten(config)
+    skip = IGNORED_PREFIXES + OTHER_FAMILY.get(flat.get("model.family", "causal"), ())
     return {
         k: v
         for k, v in sorted(flat.items())
-        if k not in SEED_KEYS and k not in IGNORED_KEYS and not k.startswith(IGNORED_PREFIXES)
+        if k not in SEED_KEYS and k not in IGNORED_KEYS and not k.startswith(skip)
     }
 
 
@@ -110,15 +126,117 @@ def select_on_dev(results: pd.DataFrame) -> pd.DataFrame:
                 "diverged_all": int((group["status"] == "diverged").sum()),
                 "dev_mean": chosen["dev"].mean(),
                 "test_mean": chosen["test"].mean(),
-                "test_std": chosen["test"].std(ddof=0) if len(chosen) > 1 else float("nan"),
+                # ddof = 1: the seeds sample the runs one could make; with 3-5 of them ddof = 0 understates the spread
+                "test_std": chosen["test"].std(ddof=1) if len(chosen) > 1 else float("nan"),
                 "peak_mem_mb": chosen["peak_mem_mb"].max(),
             }
         )
     return pd.DataFrame(out)
 
 
+# The published-numbers file (results/paper_numbers.csv): one number per row, with where it was read.
+PAPER_COLUMNS = {
+    "experiment": "the table of ours it goes beside (conf/experiment/<name>.yaml), or 'memory'",
+    "model": "the model it was measured on",
+    "task": "the task's name here",
+    "method": "the method's name here",
+    "value": "the published number (x100 for accuracy and F1)",
+    "std": "the published standard deviation; empty where the source gives none",
+    "metric": "accuracy, f1, peak_mem_gb, ...",
+    "source": "the publication",
+    "table": "where in it ('Table 18'; 'table not known')",
+    "confirmed": "yes: read from the publication itself; no: from a secondary summary or off a plot",
+    "note": "how an unconfirmed number was obtained, the source's own row names, ...; may be empty",
+}
+OPTIONAL_COLUMNS = {"std", "note"}
+# One footnote mark per source in a table (Unicode has no superscript q).
+MARKS = "ᵃᵇᶜᵈᵉᶠᵍʰⁱʲᵏˡᵐⁿᵒᵖʳˢᵗᵘᵛʷˣʸᶻ"
+MARK_LETTERS = "abcdefghijklmnoprstuvwxyz"
+
+
 def load_paper_numbers(path: Path) -> pd.DataFrame:
-    return pd.read_csv(path, dtype={"std": float})
+    """The published numbers, checked row by row: a bad row stops with one line naming the file and its line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such paper-numbers file (pass --paper PATH)")
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        header = reader.fieldnames or []
+        if sorted(header) != sorted(PAPER_COLUMNS):
+            raise ConfigError(f"{path} line 1: the header must name the columns {','.join(PAPER_COLUMNS)}, "
+                              f"got {','.join(header) or 'nothing'}")
+        rows: list[dict[str, Any]] = []
+        first_line: dict[tuple[str, ...], int] = {}
+        for raw in reader:
+            where = f"{path} line {reader.line_num}"
+            row = _paper_row(raw, where)
+            key = tuple(row[c] for c in ("experiment", "model", "task", "method", "source", "table"))
+            if key in first_line:
+                raise ConfigError(f"{where}: repeats line {first_line[key]} (same experiment, model, task, method, "
+                                  f"source and table)")
+            first_line[key] = reader.line_num
+            rows.append(row)
+    return pd.DataFrame(rows, columns=list(PAPER_COLUMNS))
+
+
+def _paper_row(raw: dict[str | None, Any], where: str) -> dict[str, Any]:
+    if None in raw or None in raw.values():
+        raise ConfigError(f"{where}: expected {len(PAPER_COLUMNS)} fields ({','.join(PAPER_COLUMNS)})")
+    row: dict[str, Any] = {k: v.strip() for k, v in raw.items()}
+    for column, meaning in PAPER_COLUMNS.items():
+        if column not in OPTIONAL_COLUMNS and not row[column]:
+            raise ConfigError(f"{where}: {column} is empty; it holds {meaning}")
+    if row["confirmed"] not in ("yes", "no"):
+        raise ConfigError(f"{where}: confirmed must be 'yes' or 'no', got {row['confirmed']!r}")
+    if row["confirmed"] == "no" and not row["note"]:
+        raise ConfigError(f"{where}: an unconfirmed number needs a note saying how it was obtained")
+    row["confirmed"] = row["confirmed"] == "yes"
+    row["value"] = _paper_number(row, "value", where)
+    row["std"] = _paper_number(row, "std", where) if row["std"] else float("nan")
+    return row
+
+
+def _paper_number(row: dict[str, Any], column: str, where: str) -> float:
+    try:
+        number = float(row[column])
+    except ValueError:
+        number = float("nan")
+    if not math.isfinite(number) or (column == "std" and number < 0):
+        raise ConfigError(f"{where}: {column} must be a finite number{' >= 0' if column == 'std' else ''}, "
+                          f"got {row[column]!r}")
+    return number
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a published number was read; each distinct source in a table gets one footnote mark."""
+
+    source: str
+    table: str
+    model: str
+    confirmed: bool
+    note: str
+
+    def describe(self) -> str:
+        text = f"{self.source}, {self.table}, {self.model}: {'confirmed' if self.confirmed else 'unconfirmed'}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+@dataclass
+class Table:
+    """A methods x tasks grid of cell texts, and the sources its marks stand for (sources[i] is MARKS[i])."""
+
+    cells: pd.DataFrame
+    sources: list[Source]
+
+    def legend(self) -> list[str]:
+        lines = ["Ours: mean (std over seeds, ddof = 1) of the setting selected on dev; †n: n of its runs diverged; "
+                 "—: no result."]
+        if not self.sources:
+            return lines + ["No published numbers for this experiment."]
+        lines.append("(paper): the published value (its std where the source gives one); the mark names where it "
+                     "was read. paper sources: the marks of the row; 'mixed' when they are more than one.")
+        return lines + [f"{MARKS[i]} {source.describe()}" for i, source in enumerate(self.sources)]
 
 
 def _cell(mean: float, std: float, diverged: int) -> str:
@@ -132,21 +250,31 @@ def _cell(mean: float, std: float, diverged: int) -> str:
     return text
 
 
+def _published(value: float, std: float) -> str:
+    return f"{value:.1f}" + ("" if math.isnan(std) else f" ({std:.1f})")
+
+
 def build_table(
     selected: pd.DataFrame,
     paper: pd.DataFrame,
     experiment: str,
     methods: list[str] | None = None,
     tasks: list[str] | None = None,
-) -> pd.DataFrame:
-    """Methods x tasks: ours as "mean (std) †diverged" beside the paper's number; missing cells are "—"."""
+) -> Table:
+    """Methods x tasks: ours as "mean (std) †diverged" beside every published number for the cell, each marked.
+
+    A cell with numbers from several sources lists the confirmed ones first; missing cells are "—". Without any
+    published number for the experiment the paper columns are left out.
+    """
     ours = selected[selected["experiment"] == experiment] if len(selected) else selected
-    theirs = paper[paper["table"] == experiment] if len(paper) else paper
+    theirs = paper[paper["experiment"] == experiment] if len(paper) else paper
     methods = methods or sorted(set(ours.get("method", [])) | set(theirs.get("method", [])))
     tasks = tasks or sorted(set(ours.get("task", [])) | set(theirs.get("task", [])))
+    sources: list[Source] = []
     rows = []
     for method in methods:
         row: dict[str, str] = {"method": method}
+        used: set[int] = set()
         for task in tasks:
             hit = ours[(ours["method"] == method) & (ours["task"] == task)] if len(ours) else ours
             if len(hit):
@@ -155,25 +283,51 @@ def build_table(
             else:
                 row[task] = MISSING
             ref = theirs[(theirs["method"] == method) & (theirs["task"] == task)] if len(theirs) else theirs
-            row[f"{task} (paper)"] = f"{ref.iloc[0]['value']:.1f}" if len(ref) else MISSING
+            texts = []
+            for r in ref.sort_values("confirmed", ascending=False, kind="stable").itertuples():
+                source = Source(r.source, r.table, r.model, bool(r.confirmed), r.note)
+                if source not in sources:
+                    if len(sources) == len(MARKS):
+                        raise ConfigError(f"{experiment}: more than {len(MARKS)} sources of published numbers in "
+                                          f"one table")
+                    sources.append(source)
+                used.add(sources.index(source))
+                texts.append(_published(r.value, r.std) + MARKS[sources.index(source)])
+            row[f"{task} (paper)"] = "; ".join(texts) or MISSING
+        marks = " ".join(MARKS[i] for i in sorted(used))
+        row["paper sources"] = (marks + " mixed" if len(used) > 1 else marks) or MISSING
         rows.append(row)
-    return pd.DataFrame(rows, columns=["method"] + [c for t in tasks for c in (t, f"{t} (paper)")])
+    columns = ["method"] + [c for t in tasks for c in (t, f"{t} (paper)")] + ["paper sources"]
+    if not sources:
+        columns = ["method", *tasks]
+    return Table(pd.DataFrame(rows, columns=columns), sources)
 
 
-def to_markdown(table: pd.DataFrame) -> str:
-    header = "| " + " | ".join(table.columns) + " |"
-    rule = "|" + "|".join("---" for _ in table.columns) + "|"
-    body = ["| " + " | ".join(str(v) for v in row) + " |" for row in table.itertuples(index=False)]
-    return "\n".join([header, rule, *body]) + "\n"
+def to_markdown(table: Table) -> str:
+    cells = table.cells
+    header = "| " + " | ".join(cells.columns) + " |"
+    rule = "|" + "|".join("---" for _ in cells.columns) + "|"
+    body = ["| " + " | ".join(str(v) for v in row) + " |" for row in cells.itertuples(index=False)]
+    legend = [f"- {line}" for line in table.legend()]
+    return "\n".join([header, rule, *body, "", *legend]) + "\n"
 
 
-def to_latex(table: pd.DataFrame, caption: str) -> str:
+def to_latex(table: Table, caption: str) -> str:
     def esc(text: Any) -> str:
-        return str(text).replace("_", r"\_").replace("†", r"$^\dagger$").replace("—", "--")
+        text = str(text)
+        for char in "&%#_":
+            text = text.replace(char, "\\" + char)
+        text = text.replace("†", r"$^\dagger$").replace("—", "--")
+        for mark, letter in zip(MARKS, MARK_LETTERS):
+            text = text.replace(mark, rf"$^{{\mathrm{{{letter}}}}}$")
+        return text
 
-    cols = "l" + "r" * (len(table.columns) - 1)
+    cells = table.cells
+    cols = "l" + "r" * (len(cells.columns) - 1)
     lines = [r"\begin{table}[t]", r"\centering", rf"\caption{{{esc(caption)}}}", rf"\begin{{tabular}}{{{cols}}}",
-             r"\toprule", " & ".join(esc(c) for c in table.columns) + r" \\", r"\midrule"]
-    lines += [" & ".join(esc(v) for v in row) + r" \\" for row in table.itertuples(index=False)]
-    lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
+             r"\toprule", " & ".join(esc(c) for c in cells.columns) + r" \\", r"\midrule"]
+    lines += [" & ".join(esc(v) for v in row) + r" \\" for row in cells.itertuples(index=False)]
+    lines += [r"\bottomrule", r"\end{tabular}", r"\par\smallskip\footnotesize\raggedright"]
+    lines += [esc(line) + r"\par" for line in table.legend()]
+    lines += [r"\end{table}"]
     return "\n".join(lines) + "\n"

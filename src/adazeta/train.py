@@ -116,11 +116,12 @@ def train(
 
     def dev_eval(step: int) -> EvalResult:
         result = evaluate(model, dev_batches, family, obj.kind, obj.dev_generation)
-        tracker.log_eval(step, "dev", result.loss, result.accuracy, result.tied)
+        if result.n:  # a training-free run without a train split has no dev set
+            tracker.log_eval(step, "dev", result.loss, result.accuracy, result.tied)
         return result
 
     initial = best = dev_eval(0)
-    reason = monitor.update(initial.loss, initial.tied)
+    reason = monitor.update(initial.loss, initial.tied) if initial.n else None
     if reason is not None:  # e.g. an adapter init that already overflows: nothing to train from
         test = evaluate(model, test_batches, family, obj.kind, obj.test_generation)
         tracker.log_eval(0, "test", test.loss, test.accuracy, test.tied)

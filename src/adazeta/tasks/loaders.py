@@ -3,7 +3,7 @@
 Two protocols, picked by the model's family:
 
 - causal (MeZO): ``num_train`` + ``num_dev`` examples drawn (seeded) from the train split, ``num_eval`` from the
-  validation split;
+  validation split in a draw of its own with the same seed, so the test set is MeZO's for that seed;
 - masked (LM-BFF, Gao et al. 2021): k examples per class for train and k more for dev, with one of the data seeds
   13, 21, 42, 87, 100; the test set is the original dev/test set sub-sampled to ``num_eval`` (1,000). Local data
   is the standard ``k-shot/<TASK>/<k>-<seed>/`` layout, read as is; from the Hub the same sampling is redone.
@@ -84,8 +84,13 @@ def local_files(
     k: int = 16,
     kshot_seed: int = 13,
     splits: Sequence[str] = ("train", "dev", "eval"),
+    needed_by: str | None = None,
 ) -> dict[str, list[Path]]:
-    """The local files of each split, checked to exist (one line naming the missing path and the fix)."""
+    """The local files of each split, checked to exist (one line naming the missing path and the fix).
+
+    ``needed_by`` says what needs the splits (e.g. "method 'icl' needs the train split for its demonstrations"):
+    it opens the missing-file message, so that a user learns why a file they did not expect to need is missing.
+    """
     _, local = spec.sources(family)
     if local is None:
         raise ConfigError(
@@ -111,17 +116,37 @@ def local_files(
         files[split] = [root / name for name in names]
         for path in files[split]:
             if not path.is_file():
-                raise ConfigError(f"data file not found: {path}; {hint}")
+                why = f"{needed_by}: " if needed_by else ""
+                raise ConfigError(f"{why}data file not found: {path}; {hint}")
     if not all(files[s] for s in splits if s != "dev"):
         raise ConfigError(f"task {spec.name!r}: local.train and local.eval must each name at least one file")
     return files
 
 
-def check_data(spec: TaskSpec, data: DataConfig, family: str) -> None:
-    """Start-up checks that need no model: the task has the family's format, and its local files exist."""
+def check_data(spec: TaskSpec, data: DataConfig, family: str, train_needed_by: str | None = None) -> None:
+    """Start-up checks that need no model: the task has the family's format, and its local files exist.
+
+    The evaluation split is always needed. The train split is checked only when ``train_needed_by`` names what
+    needs it (training, ICL's demonstrations, the probe); zero-shot scores the evaluation split alone when the
+    train split is absent (BoolQ's offline copy has only its validation file).
+    """
     _, local = spec.sources(family)  # refuses a task without the family's prompt format
     if data.data_dir and local is not None:  # without a local layout the Hub serves the task (SQuAD, DROP)
-        local_files(spec, data.data_dir, family, data.k, data.kshot_seed)
+        if train_needed_by is not None:
+            local_files(spec, data.data_dir, family, data.k, data.kshot_seed, ("train",), train_needed_by)
+        local_files(spec, data.data_dir, family, data.k, data.kshot_seed, ("dev", "eval"))
+
+
+def split_available(spec: TaskSpec, family: str, split: str, data: DataConfig) -> bool:
+    """Whether ``split`` can be read: its local files exist, or (without a local layout) the Hub serves it."""
+    _, local = spec.sources(family)
+    if not (data.data_dir and local is not None):
+        return True
+    try:
+        local_files(spec, data.data_dir, family, data.k, data.kshot_seed, splits=(split,))
+    except ConfigError:
+        return False
+    return True
 
 
 def _rename(row: dict[str, Any], rename: dict[str, str]) -> dict[str, Any]:
@@ -370,38 +395,56 @@ def describe_source(train: Rows, test: Rows) -> str:
     return train.source if train.source == test.source else f"{train.source} (test: {test.source})"
 
 
-def load_task(spec: TaskSpec, data: DataConfig, family: str, seed: int, mask_token: str | None = None) -> TaskData:
-    """The train, dev and test examples of the family's protocol (SPEC §6), rendered with its template."""
+def load_task(
+    spec: TaskSpec, data: DataConfig, family: str, seed: int, mask_token: str | None = None, need_train: bool = True
+) -> TaskData:
+    """The train, dev and test examples of the family's protocol (SPEC §6), rendered with its template.
+
+    ``need_train=False`` (zero-shot): a missing train split leaves train and dev empty instead of failing; when the
+    split is there, dev is drawn from it exactly as for a training method.
+    """
 
     def make(rows: Rows, idx: Sequence[int]) -> list[Example]:
         return [render(spec, family, r, r.get("label", 0), mask_token) for r in rows.take(idx)]
 
+    train_rows = None
+    if need_train or split_available(spec, family, "train", data):
+        train_rows = split_rows(spec, family, "train", data)
+    else:
+        log.info("task %s: no train split; a training-free run goes on without it (and without a dev set drawn "
+                 "from it)", spec.name)
     if family == "masked":
-        return _load_kshot(spec, data, make)
+        return _load_kshot(spec, data, make, train_rows)
     data_seed = seed if data.seed is None else data.seed
-    train_rows = split_rows(spec, family, "train", data)
     eval_rows = split_rows(spec, family, "eval", data)
-    rng = np.random.RandomState(data_seed)
-    order = rng.permutation(len(train_rows))
-    n_train, n_dev = split_sizes(len(order), data.num_train, spec.num_dev or data.num_dev)
-    train_idx, dev_idx = order[:n_train], order[n_train : n_train + n_dev]
-    eval_idx = sample_indices(len(eval_rows), data.num_eval, rng)
-    train, dev, test = make(train_rows, train_idx), make(train_rows, dev_idx), make(eval_rows, eval_idx)
-    return TaskData(train, dev, test, describe_source(train_rows, eval_rows))
+    train: list[Example] = []
+    dev: list[Example] = []
+    if train_rows is not None:
+        order = np.random.RandomState(data_seed).permutation(len(train_rows))
+        n_train, n_dev = split_sizes(len(order), data.num_train, spec.num_dev or data.num_dev)
+        train, dev = make(train_rows, order[:n_train]), make(train_rows, order[n_train : n_train + n_dev])
+    # MeZO draws the test subset afresh from the evaluation split with the data seed (its sample_subset on
+    # "valid"), not from the stream that drew train and dev: the same seed gives MeZO's test set.
+    test = make(eval_rows, sample_indices(len(eval_rows), data.num_eval, np.random.RandomState(data_seed)))
+    return TaskData(train, dev, test, describe_source(eval_rows if train_rows is None else train_rows, eval_rows))
 
 
-def _load_kshot(spec: TaskSpec, data: DataConfig, make: Any) -> TaskData:
+def _load_kshot(spec: TaskSpec, data: DataConfig, make: Any, train_rows: Rows | None) -> TaskData:
     """LM-BFF protocol: the k-shot folder as is, or k per class sampled from the Hub (or original local files)."""
     _, local = spec.sources("masked")
     seed = data.kshot_seed
-    train_rows = split_rows(spec, "masked", "train", data)
+    train: list[Example] = []
+    dev: list[Example] = []
     if data.data_dir and local is not None and local.kshot:
-        dev_rows = split_rows(spec, "masked", "dev", data)
-        train_idx, dev_idx = list(range(len(train_rows))), list(range(len(dev_rows)))
-    else:
-        dev_rows = train_rows
+        if train_rows is not None:
+            train = make(train_rows, range(len(train_rows)))
+        if train_rows is not None or split_available(spec, "masked", "dev", data):
+            dev_rows = split_rows(spec, "masked", "dev", data)
+            dev = make(dev_rows, range(len(dev_rows)))
+    elif train_rows is not None:
         train_idx, dev_idx = kshot_indices(train_rows.labels(), data.k, seed)
+        train, dev = make(train_rows, train_idx), make(train_rows, dev_idx)
     eval_rows = split_rows(spec, "masked", "eval", data)
     eval_idx = sample_indices(len(eval_rows), data.num_eval, np.random.RandomState(seed))
-    train, dev, test = make(train_rows, train_idx), make(dev_rows, dev_idx), make(eval_rows, eval_idx)
-    return TaskData(train, dev, test, describe_source(train_rows, eval_rows))
+    source = describe_source(eval_rows if train_rows is None else train_rows, eval_rows)
+    return TaskData(train, dev, make(eval_rows, eval_idx), source)

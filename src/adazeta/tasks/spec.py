@@ -10,9 +10,10 @@ A spec comes from ``conf/task/<name>.yaml``. One task name serves both model fam
 
 Every source maps its columns onto the task's own field names (``rename``), so one template fits all sources.
 Templates fill ``{field}`` placeholders; ``{field|filter}`` applies a filter from :data:`FILTERS` (e.g.
-``{question|upper_first}``). Templates that need more than that (COPA, ReCoRD, SQuAD, DROP) name a hook
-registered in :data:`HOOKS` (``adazeta.tasks.hooks``). Bump ``version`` whenever a template, a candidate or a
-protocol changes: it is recorded with every result.
+``{question|upper_first}``; ``drop_last`` and ``lower_first`` are LM-BFF's ``sent-_0`` and ``sentl_1``, so that
+masked templates render LM-BFF's prompts character for character). Templates that need more than that (COPA,
+ReCoRD, SQuAD, DROP) name a hook registered in :data:`HOOKS` (``adazeta.tasks.hooks``). Bump ``version`` whenever
+a template, a candidate or a protocol changes: it is recorded with every result.
 """
 
 from __future__ import annotations
@@ -90,6 +91,17 @@ class PromptFormat:
     template: str = ""
     candidates: list[str] = field(default_factory=list)  # one per label, in label-index order
     hook: str | None = None  # a registered render hook, for templates that need code
+    # Masked (LM-BFF) templates: token limits of the first sentence and of the others, and of the whole prompt
+    # (capped by model.max_length), as LM-BFF's --first_sent_limit, --other_sent_limit and --max_seq_length.
+    first_sent_limit: int | None = None
+    other_sent_limit: int | None = None
+    max_length: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("first_sent_limit", "other_sent_limit", "max_length"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"task.<family>.{name}={value!r} must be an int >= 1, or null for no limit")
 
 
 @dataclass
@@ -204,7 +216,9 @@ class TaskSpec:
 class Example:
     """One rendered example: a prompt, its candidates, and the index of the gold candidate.
 
-    ``meta["answers"]`` holds every acceptable answer of a generation task (scored by F1 / exact match).
+    ``meta["answers"]`` holds every acceptable answer of a generation task (scored by F1 / exact match);
+    A masked example keeps its template's pieces for encoding: ``meta["parts"]`` (their concatenation is the
+    prompt), ``meta["sentences"]`` (which parts are sentences) and ``meta["limits"]`` (LM-BFF's token limits).
     """
 
     prompt: str
@@ -221,11 +235,23 @@ def _upper_first(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
+def _lower_first(text: str) -> str:
+    """The text with its first character lower-cased (LM-BFF's ``sentl_i``: the hypothesis after the comma)."""
+    return text[:1].lower() + text[1:]
+
+
+def _drop_last(text: str) -> str:
+    """The text without its last character, whatever it is (LM-BFF's ``sent-_i``: the premise's full stop)."""
+    return text[:-1]
+
+
 # Filters a template may apply to a field: ``{span2_text|lower}``. Small on purpose; anything more is a hook.
 FILTERS: dict[str, Callable[[str], str]] = {
     "lower": str.lower,
     "strip": str.strip,
     "upper_first": _upper_first,
+    "lower_first": _lower_first,
+    "drop_last": _drop_last,
 }
 
 
@@ -243,11 +269,20 @@ def template_fields(template: str, where: str = "template") -> list[tuple[str, l
     return out
 
 
-def fill(template: str, row: dict[str, Any], where: str = "template") -> str:
-    """Fill ``{field}`` / ``{field|filter}`` placeholders from the row, naming the missing field if there is one."""
-    parts = []
+def fill_parts(template: str, row: dict[str, Any], where: str = "template") -> list[tuple[str, str | None]]:
+    """The template's pieces, filled, none empty: ``(text, field name)``, the name None for a literal.
+
+    A literal's trailing space before a field goes with the field (``", {hypothesis}"`` gives ``","`` and
+    ``" the hypothesis"``): these are the parts LM-BFF's template language encodes one by one (``*,*`` and
+    ``*+sentl_1*``), so that a masked prompt is tokenised as LM-BFF tokenises it (``scoring.encode``).
+    """
+    parts: list[tuple[str, str | None]] = []
     for literal, spec, _, _ in string.Formatter().parse(template):
-        parts.append(literal)
+        lead = ""
+        if spec and literal.endswith(" "):
+            literal, lead = literal[:-1], " "
+        if literal:
+            parts.append((literal, None))
         if not spec:
             continue
         name, *filters = [part.strip() for part in spec.split("|")]
@@ -259,8 +294,14 @@ def fill(template: str, row: dict[str, Any], where: str = "template") -> str:
             if f not in FILTERS:
                 raise ConfigError(f"{where}: unknown filter {f!r}; known: {', '.join(sorted(FILTERS))}")
             value = FILTERS[f](value)
-        parts.append(value)
-    return "".join(parts)
+        if lead + value:
+            parts.append((lead + value, name))
+    return parts
+
+
+def fill(template: str, row: dict[str, Any], where: str = "template") -> str:
+    """Fill ``{field}`` / ``{field|filter}`` placeholders from the row, naming the missing field if there is one."""
+    return "".join(text for text, _ in fill_parts(template, row, where))
 
 
 def render(spec: TaskSpec, family: str, row: dict[str, Any], gold: int, mask_token: str | None = None) -> Example:
@@ -273,6 +314,15 @@ def render(spec: TaskSpec, family: str, row: dict[str, Any], gold: int, mask_tok
         if mask_token is None:
             raise ConfigError(f"task {spec.name!r}: masked template needs the tokenizer's mask token")
         values["mask"] = mask_token
+        pieces = fill_parts(fmt.template, values, f"task {spec.name!r}")
+        # For encoding as LM-BFF does (``scoring.encode``): the parts one by one, each sentence within its limit.
+        meta = {
+            "parts": [text for text, _ in pieces],
+            "sentences": [i for i, (_, name) in enumerate(pieces) if name not in (None, "mask")],
+            "limits": {"first_sent_limit": fmt.first_sent_limit, "other_sent_limit": fmt.other_sent_limit,
+                       "max_length": fmt.max_length},
+        }
+        return Example("".join(text for text, _ in pieces), list(fmt.candidates), gold, meta)
     return Example(fill(fmt.template, values, f"task {spec.name!r}"), list(fmt.candidates), gold)
 
 
