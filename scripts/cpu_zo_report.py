@@ -66,7 +66,7 @@ def mean_std(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
         return MISSING
     text = f"{scale * statistics.mean(values):.{digits}f}"
     if len(values) > 1:
-        text += f" ({scale * statistics.pstdev(values):.{digits}f})"
+        text += f" ({scale * statistics.stdev(values):.{digits}f})"  # sample std, ddof = 1
     return text
 
 
@@ -123,7 +123,7 @@ def main() -> None:
 
     lines += [
         "",
-        f"## Chosen settings over seeds {seeds}: mean (std)",
+        f"## Chosen settings over seeds {seeds}: mean (std over seeds, ddof = 1)",
         "",
         f"`to dev acc {args.target}`: forward passes until the first dev evaluation at or above it (runs that never "
         "get there are counted in `reached`). `to MeZO-LoRA's final dev loss`: forward passes until dev loss "

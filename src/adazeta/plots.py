@@ -32,10 +32,14 @@ def read_run(run_dir: Path) -> dict:
 
 
 def _band(curves: list[pd.DataFrame], x: str, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Mean and standard deviation over seeds, each curve interpolated onto ``grid`` (NaN past its end)."""
+    """Mean and standard deviation over seeds (ddof = 1, as the tables), each curve interpolated onto ``grid``
+    (NaN past its end); one seed has no spread (0)."""
     ys = [np.interp(grid, c[x], c["loss"], right=np.nan) for c in curves]
     stack = np.vstack(ys)
-    return np.nanmean(stack, axis=0), np.nanstd(stack, axis=0)
+    counts = np.sum(~np.isnan(stack), axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        std = np.where(counts > 1, np.nanstd(stack, axis=0, ddof=1) if len(ys) > 1 else 0.0, 0.0)
+    return np.nanmean(stack, axis=0), std
 
 
 def convergence_figure(runs: list[dict], task: str, x: str = "forward_passes", out: Path | None = None) -> plt.Figure:
