@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -35,20 +36,31 @@ def _main(cfg: DictConfig) -> float | None:
 
     hydra_cfg = HydraConfig.get()
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        record = run(cfg, Path(hydra_cfg.runtime.output_dir))
+        record = run(cfg, run_dir, list(hydra_cfg.overrides.task))
     except ConfigError as err:
         # A user's mistake: one line with the fix, no traceback.
         print(f"adazeta-run: error: {err}", file=sys.stderr)
         if sweeping:
             return None  # the other jobs of the sweep still run
         sys.exit(2)
+    except OSError as err:
+        # The disk filled or a permission changed while writing the record: what was written stays.
+        print(f"adazeta-run: error: could not write to {run_dir}: {err.strerror or err}; files already written "
+              "there are kept", file=sys.stderr)
+        sys.exit(1)
     except Exception:
         if not sweeping:
             raise
         # result.json already says `failed`, with the reason; one failed job must not stop a sweep.
         logging.getLogger("adazeta").exception("job %s failed; the sweep goes on", hydra_cfg.job.num)
         return None
+    if record.get("status") == "interrupted":
+        # Stopped by SIGTERM / SIGINT: the run is recorded and checkpointed; a sweep stops here too.
+        print(f"adazeta-run: interrupted ({record.get('reason')}); run the same command again to resume",
+              file=sys.stderr)
+        sys.exit(128 + signal.Signals[record.get("signal") or "SIGINT"].value)
     return record.get("dev_accuracy")  # what a Hydra sweeper would optimise
 
 

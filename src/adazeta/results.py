@@ -11,8 +11,10 @@ from typing import Any
 
 import torch
 
+from adazeta.rundir import atomic_write_text
+
 PACKAGES = ("adazeta", "torch", "transformers", "peft", "datasets", "hydra-core", "wandb", "tensorly", "gguf")
-STATUSES = ("finished", "diverged", "failed")
+STATUSES = ("finished", "diverged", "failed", "interrupted")
 
 
 def git_state(where: Path | None = None) -> dict[str, Any]:
@@ -52,12 +54,11 @@ def device_info(device: torch.device) -> dict[str, Any]:
 
 
 def write_result(path: Path, record: dict[str, Any]) -> None:
-    """Write atomically (temp file + rename), so a reader never sees half a record."""
+    """Write atomically (temp file, fsync, rename): a reader never sees half a record, and a failed write (a full
+    disk) leaves the previous file as it was."""
     if record.get("status") not in STATUSES:
         raise ValueError(f"result status {record.get('status')!r} is not one of {STATUSES}")
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(record, indent=2, default=str) + "\n")
 
 
 def read_result(path: Path) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from adazeta.optim.zo_sgd import ZOSGDConfig
 from adazeta.probe import ProbeConfig, linear_probe
 from adazeta.registry import make_config
 from adazeta.results import device_info, git_state, package_versions, read_result, write_result
+from adazeta.rundir import Interrupted, StopSignals, atomic_write_text, claim, config_differences
 from adazeta.optim.batched import replica_sites
 from adazeta.schedules import SCHEDULES, Schedule, budget_steps, mean_queries
 from adazeta.scoring import Encoded, batches, encode, packing_supported
@@ -38,7 +40,7 @@ from adazeta.tasks.loaders import DataConfig, TaskData, check_data, load_task
 from adazeta.tasks.objectives import build_objective
 from adazeta.tasks.spec import TaskSpec
 from adazeta.tracking import DivergenceConfig, DivergenceMonitor, Tracker, WandbConfig, peak_memory_mb, reset_peak_memory
-from adazeta.train import TrainConfig, steps_per_epoch, train
+from adazeta.train import Checkpoints, TrainConfig, steps_per_epoch, train
 
 log = logging.getLogger("adazeta")
 
@@ -274,34 +276,88 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Run one experiment described by the composed config; write its files to ``run_dir``; return the record."""
+def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Run one experiment described by the composed config; write its files to ``run_dir``; return the record.
+
+    The run directory is claimed for the whole run (a second run on it is refused). A directory that holds a
+    run of the same settings is skipped when that run ended (finished, diverged) and resumed from its
+    checkpoint when it was interrupted; one that holds a run of other settings is refused unless ``force``.
+    """
     s = parse(cfg)
     preflight(s)
     if s.dry_run:
         from adazeta.dryrun import dry_run
 
         return dry_run(s)
-    done = finished_result(run_dir)
-    if done is not None and not s.force:
-        log.info("skipping: %s already holds a %s result (force=true reruns it)", run_dir, done["status"])
-        return done
-    return execute(s, run_dir)
+    with claim(run_dir):
+        checkpoint = run_dir / CHECKPOINT
+        if s.force:
+            checkpoint.unlink(missing_ok=True)
+        previous = previous_run(run_dir)
+        if previous is not None and not s.force:
+            status, config = previous
+            differences = config_differences(config, s.raw)
+            if differences:
+                shown = "; ".join(differences[:3]) + (f"; and {len(differences) - 3} more" if len(differences) > 3 else "")
+                raise ConfigError(
+                    f"{run_dir} holds a {status} run with other settings ({shown}); rerun with force=true to "
+                    "replace it, or choose another hydra.run.dir"
+                )
+            if status in ("finished", "diverged"):
+                log.info("skipping: %s already holds a %s result (force=true reruns it)", run_dir, status)
+                return read_result(run_dir / "result.json")
+        write_provenance(run_dir, s.raw, overrides)
+        resume = load_checkpoint(checkpoint) if checkpoint.is_file() else None
+        return execute(s, run_dir, resume)
 
 
-def finished_result(run_dir: Path) -> dict[str, Any] | None:
-    """The record of a run that already ended (finished or diverged) in ``run_dir``; failed runs are retried."""
+CHECKPOINT = "checkpoint.pt"
+
+
+def previous_run(run_dir: Path) -> tuple[str, dict[str, Any]] | None:
+    """(status, config) of the run ``run_dir`` already holds: its result record, else its checkpoint (killed)."""
     path = run_dir / "result.json"
-    if not path.is_file():
-        return None
+    if path.is_file():
+        try:
+            record = read_result(path)
+        except ValueError:
+            record = None
+        if record is not None and record.get("config") is not None:
+            return record.get("status", "failed"), record["config"]
+    if (run_dir / CHECKPOINT).is_file():
+        return "interrupted", load_checkpoint(run_dir / CHECKPOINT)["config"]
+    return None
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
     try:
-        record = read_result(path)
-    except ValueError:
-        return None
-    return record if record.get("status") in ("finished", "diverged") else None
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # a truncated file from a crash during the write's rename cannot happen; others can
+        raise ConfigError(f"cannot read the checkpoint {path} ({type(err).__name__}); delete it or rerun with force=true")
 
 
-def execute(s: Settings, run_dir: Path) -> dict[str, Any]:
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """torch.save to a temp file, then one rename: a crash mid-write leaves the previous checkpoint."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def write_provenance(run_dir: Path, raw: dict[str, Any], overrides: list[str] | None) -> None:
+    """``.hydra/config.yaml`` and ``overrides.yaml``, written only once the directory is ours and matches."""
+    where = run_dir / ".hydra"
+    where.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(where / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(raw)))
+    if overrides is not None:
+        atomic_write_text(where / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+
+
+def execute(s: Settings, run_dir: Path, resume: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Build, train, test and record one run; ``resume``: a checkpoint this run's settings wrote earlier.
+
+    SIGTERM / SIGINT end the run ``interrupted`` (checkpointed when it happens during training); a finished or
+    diverged run removes its checkpoint. ``result.json`` is written in every case, atomically.
+    """
     started = time.time()
     seed_everything(s.seed)
     record: dict[str, Any] = {
@@ -313,52 +369,97 @@ def execute(s: Settings, run_dir: Path) -> dict[str, Any]:
         "experiment": s.experiment,
         "status": "failed",
     }
+    checkpoint = run_dir / CHECKPOINT
     tracker = None
+    if resume is not None:
+        record["resumed_from_step"] = resume["loop"]["step"]
+        log.info("resuming %s from its checkpoint at step %d", run_dir, resume["loop"]["step"])
+    signals = StopSignals()
     try:
-        b = build(s)
-        reset_peak_memory(b.device)
-        model, family, tok, data, enc, named = b.model, b.family, b.tokenizer, b.data, b.enc, b.named
-        optimizer, schedule, device = b.optimizer, b.schedule, b.device
-        if b.demonstrations is not None:
-            record["demonstrations"] = b.demonstrations
-
-        def collated(split: str) -> list:
-            return [x.to(device) for x in batches(enc[split], s.train.eval_batch_size, family, tok, sort=True)]
-
+        with signals:
+            tracker = _execute(s, run_dir, resume, record, signals)
+    except Interrupted as stop:
+        step = f" at step {tracker.last_step}" if tracker is not None and tracker.last_step else ""
+        record.update(status="interrupted", signal=stop.name, reason=f"{stop.name}{step}, outside a training step")
+    except Exception as err:
+        record.update(reason=f"{type(err).__name__}: {err}")
+        raise
+    finally:
         record.update(
-            total_params=b.total_params,
-            trainable_params=b.trainable_params,
-            num_train=len(data.train),
-            num_dev=len(data.dev),
-            num_eval=len(data.eval),
-            data_source=data.source,
-            model_source=dataclasses.asdict(b.loaded.source),
-            truncated={split: sum(e.truncated for e in items) for split, items in enc.items()},
+            wall_time_s=round(time.time() - started, 2),
+            git=git_state(),
+            packages=package_versions(),
+            config=s.raw,
         )
-        for split, n in record["truncated"].items():  # cut by encode(), never refused
-            if n:
-                log.warning("%s: %d of %d examples were truncated to fit model.max_length=%d (or the task's "
-                            "reference limits)", split, n, len(enc[split]), s.model.max_length)
-        if b.schedule_epochs is not None:
-            record["schedule_epochs"] = b.schedule_epochs
-        if optimizer is not None and getattr(optimizer, "zeroth_order", False):
-            per_epoch = steps_per_epoch(len(data.train), s.train.batch_size)
-            planned = round(b.schedule_epochs * len(data.train) / s.train.batch_size) if b.schedule_epochs else None
-            record["mean_queries"] = mean_queries(schedule, per_epoch, planned or s.train.max_steps)
-            record["zo"] = {k: getattr(optimizer, k, None) for k in ("estimator", "batched_queries", "query_chunk")}
-            if getattr(optimizer, "batched_queries", False):  # every trainable parameter must sit in a module that runs replicas
-                replica_sites(model, [p for _, p in named])
-        record["scoring_layout"] = "packed" if family == "causal" and packing_supported(model) else "rows"
-        tags = [f"method:{s.method}", f"task:{s.task.name}", f"model:{s.model.name}"]
-        if s.experiment:
-            tags.append(f"experiment:{s.experiment}")
-        tracker = Tracker(run_dir, s.wandb, f"{s.method}-{s.task.name}-s{s.seed}", s.raw, tags)
+        try:
+            write_result(run_dir / "result.json", record)
+        finally:
+            if tracker is not None:
+                tracker.summary({k: v for k, v in record.items() if isinstance(v, (int, float, str)) and v is not None})
+                tracker.close(failed=record["status"] == "failed")
+    if record["status"] in ("finished", "diverged"):
+        checkpoint.unlink(missing_ok=True)  # the result is final: nothing to resume
+    return record
+
+
+def _execute(
+    s: Settings, run_dir: Path, resume: dict[str, Any] | None, record: dict[str, Any], signals: StopSignals
+) -> Tracker:
+    """The body of ``execute``: fills ``record`` as it goes; returns the tracker it opened."""
+    b = build(s)
+    reset_peak_memory(b.device)
+    model, family, tok, data, enc, named = b.model, b.family, b.tokenizer, b.data, b.enc, b.named
+    optimizer, schedule, device = b.optimizer, b.schedule, b.device
+    if b.demonstrations is not None:
+        record["demonstrations"] = b.demonstrations
+
+    def collated(split: str) -> list:
+        return [x.to(device) for x in batches(enc[split], s.train.eval_batch_size, family, tok, sort=True)]
+
+    record.update(
+        total_params=b.total_params,
+        trainable_params=b.trainable_params,
+        num_train=len(data.train),
+        num_dev=len(data.dev),
+        num_eval=len(data.eval),
+        data_source=data.source,
+        model_source=dataclasses.asdict(b.loaded.source),
+        truncated={split: sum(e.truncated for e in items) for split, items in enc.items()},
+    )
+    for split, n in record["truncated"].items():  # cut by encode(), never refused
+        if n:
+            log.warning("%s: %d of %d examples were truncated to fit model.max_length=%d (or the task's "
+                        "reference limits)", split, n, len(enc[split]), s.model.max_length)
+    if b.schedule_epochs is not None:
+        record["schedule_epochs"] = b.schedule_epochs
+    if optimizer is not None and getattr(optimizer, "zeroth_order", False):
+        per_epoch = steps_per_epoch(len(data.train), s.train.batch_size)
+        planned = round(b.schedule_epochs * len(data.train) / s.train.batch_size) if b.schedule_epochs else None
+        record["mean_queries"] = mean_queries(schedule, per_epoch, planned or s.train.max_steps)
+        record["zo"] = {k: getattr(optimizer, k, None) for k in ("estimator", "batched_queries", "query_chunk")}
+        if getattr(optimizer, "batched_queries", False):  # every trainable parameter must sit in a module that runs replicas
+            replica_sites(model, [p for _, p in named])
+    record["scoring_layout"] = "packed" if family == "causal" and packing_supported(model) else "rows"
+    tags = [f"method:{s.method}", f"task:{s.task.name}", f"model:{s.model.name}"]
+    if s.experiment:
+        tags.append(f"experiment:{s.experiment}")
+    tracker = Tracker(run_dir, s.wandb, f"{s.method}-{s.task.name}-s{s.seed}", s.raw, tags,
+                      resume=resume["tracker"] if resume else None)
+    try:
         if s.probe is not None:
             outcome, record["probe"] = linear_probe(
                 model, family, enc, s.probe, s.train.eval_batch_size, device, tok.pad_token_id,
                 getattr(tok, "mask_token_id", None), tracker, s.seed,
             )
         else:
+            checkpoints = Checkpoints(
+                save=lambda state: save_checkpoint(
+                    run_dir / CHECKPOINT, {"config": s.raw, "loop": state, "tracker": tracker.position()}
+                ),
+                resume=resume["loop"] if resume else None,
+                stop=signals,
+            )
+            signals.loop = True  # from here a signal ends the current step, checkpoints, and stops
             outcome = train(
                 model,
                 family,
@@ -375,44 +476,38 @@ def execute(s: Settings, run_dir: Path) -> dict[str, Any]:
                 getattr(tok, "mask_token_id", None),
                 s.seed,
                 objective=build_objective(s.task, data, enc, tok, s.model.max_length, s.train.eval_batch_size),
+                checkpoints=checkpoints,
             )
-        for split, result in (("dev", outcome.best_dev), ("test", outcome.test)):
-            record.update({f"{split}_{k}": v for k, v in getattr(result, "metrics", {}).items()})  # f1, em
-        record.update(
-            metric=s.task.metric,  # what the *_accuracy fields measure: accuracy, or F1 for generation tasks
-            status=outcome.status,
-            reason=outcome.reason,
-            steps=outcome.steps,
-            best_step=outcome.best_step,
-            initial_dev_loss=outcome.initial_dev.loss,
-            initial_dev_accuracy=outcome.initial_dev.accuracy,
-            dev_loss=outcome.best_dev.loss,
-            dev_accuracy=outcome.best_dev.accuracy,
-            test_loss=outcome.test.loss,
-            test_accuracy=outcome.test.accuracy,
-            forward_passes=outcome.forward_passes,
-            device=device_info(device),
-            peak_mem_mb=round(peak_memory_mb(device), 1),
-        )
-        if not outcome.best_dev.n:  # no dev set (training-free, without a train split): null, not NaN
-            record.update(initial_dev_loss=None, initial_dev_accuracy=None, dev_loss=None, dev_accuracy=None)
-        log.info(
-            "%s after %d steps (best dev step %d): dev accuracy %.4f -> %.4f, test accuracy %.4f; results in %s",
-            outcome.status, outcome.steps, outcome.best_step, outcome.initial_dev.accuracy,
-            outcome.best_dev.accuracy, outcome.test.accuracy, run_dir,
-        )
-    except Exception as err:
-        record.update(reason=f"{type(err).__name__}: {err}")
+            signals.loop = False
+    except BaseException:
+        tracker.close(failed=True)
         raise
-    finally:
-        record.update(
-            wall_time_s=round(time.time() - started, 2),
-            git=git_state(),
-            packages=package_versions(),
-            config=s.raw,
-        )
-        write_result(run_dir / "result.json", record)
-        if tracker is not None:
-            tracker.summary({k: v for k, v in record.items() if isinstance(v, (int, float, str)) and v is not None})
-            tracker.close(failed=record["status"] == "failed")
-    return record
+    record.update(
+        metric=s.task.metric,  # what the *_accuracy fields measure: accuracy, or F1 for generation tasks
+        status=outcome.status,
+        reason=outcome.reason,
+        steps=outcome.steps,
+        best_step=outcome.best_step,
+        initial_dev_loss=outcome.initial_dev.loss,
+        initial_dev_accuracy=outcome.initial_dev.accuracy,
+        dev_loss=outcome.best_dev.loss,
+        dev_accuracy=outcome.best_dev.accuracy,
+        forward_passes=outcome.forward_passes,
+        device=device_info(device),
+        peak_mem_mb=round(peak_memory_mb(device), 1),
+    )
+    record.update({f"dev_{k}": v for k, v in outcome.best_dev.metrics.items()})  # f1, em
+    if not outcome.best_dev.n:  # no dev set (training-free, without a train split): null, not NaN
+        record.update(initial_dev_loss=None, initial_dev_accuracy=None, dev_loss=None, dev_accuracy=None)
+    if outcome.status == "interrupted":
+        record["signal"] = signals.requested
+        log.warning("interrupted (%s); checkpoint in %s: the same command resumes it", outcome.reason, run_dir)
+        return tracker
+    record.update(test_loss=outcome.test.loss, test_accuracy=outcome.test.accuracy)
+    record.update({f"test_{k}": v for k, v in outcome.test.metrics.items()})
+    log.info(
+        "%s after %d steps (best dev step %d): dev accuracy %.4f -> %.4f, test accuracy %.4f; results in %s",
+        outcome.status, outcome.steps, outcome.best_step, outcome.initial_dev.accuracy,
+        outcome.best_dev.accuracy, outcome.test.accuracy, run_dir,
+    )
+    return tracker

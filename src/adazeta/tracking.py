@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from adazeta.errors import ConfigError
+from adazeta.rundir import atomic_write_text
 
 # param_norm: L2 norm of the trainable set after the step. Under ZO-SGD it climbs as a random walk (each step
 # adds lr * g * z, ||z|| ~ sqrt(d)); its growth is the early sign of the drift that ends in a collapse.
@@ -78,6 +79,12 @@ class DivergenceMonitor:
         self.initial: float | None = None
         self.best: float | None = None
         self.strikes = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"initial": self.initial, "best": self.best, "strikes": self.strikes}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.initial, self.best, self.strikes = state["initial"], state["best"], state["strikes"]
 
     @staticmethod
     def non_finite(loss: float) -> str | None:
@@ -147,35 +154,61 @@ def wandb_has_credentials() -> bool:
 
 
 class CsvSink:
-    """Append-only CSV with a fixed header; each row is flushed at once."""
+    """Append-only CSV with a fixed header; each row is written whole and flushed at once.
 
-    def __init__(self, path: Path, columns: list[str]):
+    ``keep_rows``: continue an existing file (a resumed run) after its first ``keep_rows`` data rows, dropping
+    any written after the checkpoint they belong to; None starts a new file.
+    """
+
+    def __init__(self, path: Path, columns: list[str], keep_rows: int | None = None):
         self.columns = columns
-        self._file = open(path, "w", newline="", encoding="utf-8")
+        self.rows = 0
+        header = ",".join(columns) + "\n"
+        if keep_rows is not None:
+            lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.is_file() else []
+            if not lines or lines[0] != header or len(lines) - 1 < keep_rows:
+                raise ValueError(f"{path} does not hold the {keep_rows} rows the checkpoint expects; rerun with force=true")
+            atomic_write_text(path, "".join(lines[: keep_rows + 1]))
+            self.rows = keep_rows
+            self._file = open(path, "a", newline="", encoding="utf-8")
+        else:
+            self._file = open(path, "w", newline="", encoding="utf-8")
+            self._file.write(header)
         self._writer = csv.DictWriter(self._file, fieldnames=columns, lineterminator="\n")  # not the csv default CRLF
-        self._writer.writeheader()
         self._file.flush()
 
     def write(self, row: dict[str, Any]) -> None:
         self._writer.writerow({k: row.get(k) for k in self.columns})
         self._file.flush()
+        self.rows += 1
 
     def close(self) -> None:
         self._file.close()
 
 
 class Tracker:
-    """metrics.csv, eval.csv and wandb, fed by the training loop."""
+    """metrics.csv, eval.csv and wandb, fed by the training loop.
 
-    def __init__(self, run_dir: Path, cfg: WandbConfig, run_name: str, config: dict[str, Any], tags: list[str]):
+    ``resume``: the ``position()`` a checkpoint recorded: the CSVs continue after the rows it had written and
+    the wandb run (same id) continues too.
+    """
+
+    def __init__(self, run_dir: Path, cfg: WandbConfig, run_name: str, config: dict[str, Any], tags: list[str],
+                 resume: dict[str, Any] | None = None):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = CsvSink(run_dir / "metrics.csv", STEP_COLUMNS)
-        self.evals = CsvSink(run_dir / "eval.csv", EVAL_COLUMNS)
+        self.metrics = CsvSink(run_dir / "metrics.csv", STEP_COLUMNS, resume and resume["metrics_rows"])
+        self.evals = CsvSink(run_dir / "eval.csv", EVAL_COLUMNS, resume and resume["eval_rows"])
         self.wandb = None
+        self.last_step = resume["last_step"] if resume else 0
         mode = cfg.mode
         if mode == "auto":
-            mode = "online" if wandb_has_credentials() else "offline"
+            # WANDB_MODE in the environment (e.g. offline on a cluster) is the user's choice too.
+            env = os.environ.get("WANDB_MODE", "").strip().lower()
+            if env in ("online", "offline", "disabled"):
+                mode = env
+            else:
+                mode = "online" if wandb_has_credentials() else "offline"
         self.wandb_mode = mode
         if mode != "disabled":
             import wandb
@@ -191,17 +224,36 @@ class Tracker:
                 mode=mode,
                 reinit="finish_previous",
                 settings=wandb.Settings(silent=True, console="off"),
+                **({"id": resume["wandb_id"], "resume": "allow"} if resume and resume.get("wandb_id") else {}),
             )
+
+    def position(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue these records later."""
+        return {
+            "metrics_rows": self.metrics.rows,
+            "eval_rows": self.evals.rows,
+            "last_step": self.last_step,
+            "wandb_id": getattr(self.wandb, "id", None),
+        }
 
     def log_step(self, row: dict[str, Any]) -> None:
         self.metrics.write(row)
+        self.last_step = max(self.last_step, row["step"])
         if self.wandb is not None:
             self.wandb.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=row["step"])
 
     def log_eval(self, step: int, split: str, loss: float, accuracy: float, tied: float = 0.0) -> None:
         self.evals.write({"step": step, "split": split, "loss": loss, "accuracy": accuracy, "tied": tied})
         if self.wandb is not None:
-            self.wandb.log({f"{split}/loss": loss, f"{split}/accuracy": accuracy, f"{split}/tied": tied}, step=step)
+            values = {f"{split}/loss": loss, f"{split}/accuracy": accuracy, f"{split}/tied": tied}
+            if split == "test":
+                # The test state is the best-dev step's, usually before the last logged step, and wandb drops any
+                # step below its last: log at the last step (the chart's end point) and keep the best step beside.
+                values["test/best_step"] = step
+                for k, v in values.items():
+                    self.wandb.summary[k] = v
+            self.wandb.log(values, step=max(step, self.last_step))
+        self.last_step = max(self.last_step, step)
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.wandb is not None:

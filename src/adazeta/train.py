@@ -5,12 +5,15 @@ Read top to bottom. Everything it needs arrives as typed arguments; it never see
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import random
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -35,10 +38,15 @@ class TrainConfig:
     # Evaluate dev each time this many more forward passes were spent, instead of every `eval_every` steps: equal
     # spacing in compute for methods whose steps cost different numbers of forwards (AdaZeta's Q grows).
     eval_every_forwards: int | None = None
+    # Write a checkpoint (trainable and optimizer state, data order, RNG, best-dev state) every this many steps, so
+    # that a killed run resumes from it; null: only when the run is interrupted (SIGTERM / SIGINT).
+    checkpoint_every: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_forward_passes is not None and self.max_forward_passes < 1:
             raise ConfigError(f"train.max_forward_passes={self.max_forward_passes} must be >= 1 or null")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ConfigError(f"train.checkpoint_every={self.checkpoint_every} must be >= 1 or null")
         if self.eval_every_forwards is not None and self.eval_every_forwards < 1:
             raise ConfigError(f"train.eval_every_forwards={self.eval_every_forwards} must be >= 1 or null")
         for name in ("max_steps", "batch_size", "eval_every", "eval_batch_size", "grad_accum"):
@@ -52,14 +60,27 @@ class TrainConfig:
 
 @dataclass
 class Outcome:
-    status: str  # finished | diverged
+    status: str  # finished | diverged | interrupted
     reason: str | None
     steps: int
     best_step: int
     initial_dev: EvalResult
     best_dev: EvalResult
-    test: EvalResult
+    test: EvalResult | None  # None when interrupted: the run resumes instead of being tested
     forward_passes: int
+
+
+class Checkpoints:
+    """Where the loop saves its state and how to ask whether it should stop (both optional for ``train``).
+
+    ``save(state)`` writes the loop's state (a dict of tensors and plain values) atomically; ``resume`` is the
+    state a previous, interrupted run saved, or None; ``stop()`` returns the reason to stop (a signal's name)
+    or None. The loop checks ``stop()`` once per step, after the step's records are written.
+    """
+
+    def __init__(self, save: Callable[[dict], None], resume: dict | None = None,
+                 stop: Callable[[], str | None] = lambda: None):
+        self.save, self.resume, self.stop = save, resume, stop
 
 
 def steps_per_epoch(num_train: int, batch_size: int) -> int:
@@ -76,6 +97,22 @@ def load_trainable_state_(model: nn.Module, state: dict[str, torch.Tensor]) -> N
     params = dict(model.named_parameters())
     for name, value in state.items():
         params[name].copy_(value)
+
+
+def rng_state() -> dict:
+    """Every global generator a step may draw from (dropout in first-order steps), to restore on resume."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 @torch.no_grad()
@@ -101,12 +138,17 @@ def train(
     mask_id: int | None,
     seed: int,
     objective: Objective | None = None,
+    checkpoints: Checkpoints | None = None,
 ) -> Outcome:
     """Train for ``cfg.max_steps`` steps (none when ``optimizer`` is None) and evaluate the best-dev state.
 
     ``objective`` is the task's (SPEC §6): classification by default; the LM loss (COPA, ReCoRD); generation
     (SQuAD, DROP: scored by F1 of greedy generations, optionally trained on -F1 by ZO methods).
+    ``checkpoints``: save the loop's state every ``cfg.checkpoint_every`` steps and when ``stop()`` says so
+    (then the run ends ``interrupted``, untested), and continue from ``checkpoints.resume`` when given: every
+    number logged after a resume is the one the uninterrupted run logs.
     """
+    ckpt = checkpoints or Checkpoints(save=lambda state: None)
     obj = objective or Objective()
     if obj.zo_loss is not None and optimizer is not None and not getattr(optimizer, "zeroth_order", False):
         raise ConfigError(
@@ -120,13 +162,19 @@ def train(
             tracker.log_eval(step, "dev", result.loss, result.accuracy, result.tied)
         return result
 
-    initial = best = dev_eval(0)
-    reason = monitor.update(initial.loss, initial.tied) if initial.n else None
-    if reason is not None:  # e.g. an adapter init that already overflows: nothing to train from
-        test = evaluate(model, test_batches, family, obj.kind, obj.test_generation)
-        tracker.log_eval(0, "test", test.loss, test.accuracy, test.tied)
-        return Outcome("diverged", reason, 0, 0, initial, initial, test, 0)
-    best_step, best_state = 0, (trainable_state(model) if cfg.keep_best and optimizer else None)
+    resume = ckpt.resume
+    if resume is None:
+        initial = best = dev_eval(0)
+        reason = monitor.update(initial.loss, initial.tied) if initial.n else None
+        if reason is not None:  # e.g. an adapter init that already overflows: nothing to train from
+            test = evaluate(model, test_batches, family, obj.kind, obj.test_generation)
+            tracker.log_eval(0, "test", test.loss, test.accuracy, test.tied)
+            return Outcome("diverged", reason, 0, 0, initial, initial, test, 0)
+        best_step, best_state = 0, (trainable_state(model) if cfg.keep_best and optimizer else None)
+    else:
+        initial, best = EvalResult(**resume["initial"]), EvalResult(**resume["best"])
+        best_step, best_state = resume["best_step"], resume["best_state"]
+        monitor.load_state_dict(resume["monitor"])
     status, reason, step, forward_passes = "finished", None, 0, 0
 
     if optimizer is not None:
@@ -135,9 +183,28 @@ def train(
         order_gen = torch.Generator().manual_seed(seed)  # data order only; perturbations have their own
         order = torch.randperm(len(train_items), generator=order_gen)
         trainable = [p for group in optimizer.param_groups for p in group["params"]]
-        last_eval_forwards = 0
-        bar = tqdm(total=cfg.max_steps, disable=not show_progress(), desc="train", dynamic_ncols=True)
-        for step in range(1, cfg.max_steps + 1):
+        last_eval_forwards, first_step = 0, 1
+        if resume is not None:
+            load_trainable_state_(model, resume["trainable"])
+            optimizer.load_state_dict(resume["optimizer"])
+            order_gen.set_state(resume["order_gen"])
+            order = resume["order"]
+            set_rng_state(resume["rng"])
+            step = resume["step"]
+            first_step, forward_passes, last_eval_forwards = step + 1, resume["forward_passes"], resume["last_eval_forwards"]
+
+        def save(at_step: int) -> None:
+            ckpt.save({
+                "step": at_step, "forward_passes": forward_passes, "last_eval_forwards": last_eval_forwards,
+                "trainable": trainable_state(model), "optimizer": optimizer.state_dict(),
+                "order_gen": order_gen.get_state(), "order": order, "rng": rng_state(),
+                "initial": dataclasses.asdict(initial), "best": dataclasses.asdict(best), "best_step": best_step,
+                "best_state": best_state, "monitor": monitor.state_dict(),
+            })
+
+        bar = tqdm(total=cfg.max_steps, initial=first_step - 1, disable=not show_progress(), desc="train",
+                   dynamic_ncols=True)
+        for step in range(first_step, cfg.max_steps + 1):
             epoch, slot = divmod(step - 1, per_epoch)
             if slot == 0 and step > 1:
                 order = torch.randperm(len(train_items), generator=order_gen)
@@ -200,6 +267,14 @@ def train(
                 break
             if out_of_budget:
                 break
+            signal_name = ckpt.stop()
+            if signal_name is not None:
+                save(step)
+                bar.close()
+                return Outcome("interrupted", f"{signal_name} at step {step}", step, best_step, initial, best, None,
+                               forward_passes)
+            if cfg.checkpoint_every is not None and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
+                save(step)
         bar.close()
         if cfg.keep_best and best_state is not None:
             load_trainable_state_(model, best_state)

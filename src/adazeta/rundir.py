@@ -1,0 +1,171 @@
+"""A run directory has one owner, holds one configuration, never holds half a file; a run stops cleanly.
+
+- ``claim``: an exclusive ``flock`` on ``<run_dir>/.lock`` for the whole run. A second run on the same directory
+  gets a one-line error naming the owner's pid; a lock left by a process that died is released by the kernel
+  with the process, so the next run simply takes it over (the pid it left is reported).
+- ``config_differences``: which settings of a new command differ from the run a directory already holds, so
+  that a finished run is skipped only when it is the same run.
+- ``atomic_write_text``: temp file in the same directory, fsync, rename: a reader sees the old file or the new
+  one, never a mix, and a failed write leaves the old file in place.
+- ``StopSignals``: SIGTERM (a cluster's time limit, preemption) and SIGINT (Ctrl-C) ask the training loop to
+  stop at the next step boundary, where it saves a checkpoint; a second signal, or one outside the loop, stops
+  at once. Either way the run is recorded ``interrupted`` and the same command resumes it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import signal
+import threading
+import socket
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from adazeta.errors import ConfigError
+
+LOCK_NAME = ".lock"
+# Keys that say where files live or how a run is logged, not what it computes: they may differ between two
+# commands for the same run. ``train.eval_batch_size`` and ``train.checkpoint_every`` never change a number.
+NON_RESULT_KEYS = ("force", "dry_run", "data.dir", "model.model_dir", "train.eval_batch_size", "train.checkpoint_every")
+NON_RESULT_PREFIXES = ("wandb.", "hydra.")
+HEADLINE_KEYS = ("method.name", "task.name", "model.name", "seed")
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def result_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The flattened config minus paths and logging settings: what decides a run's numbers."""
+    flat = _flatten(config)
+    return {k: v for k, v in flat.items() if k not in NON_RESULT_KEYS and not k.startswith(NON_RESULT_PREFIXES)}
+
+
+def config_differences(recorded: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``key: old -> new`` for every setting the recorded run and the new command disagree on.
+
+    A key only the new config has is a setting added to the code since the recorded run; new settings default
+    to the old behaviour, so it is not a difference. A key the new config lacks is.
+    """
+    old, cur = result_settings(recorded), result_settings(new)
+    missing = object()
+    # What names the run first (the message shows the first few), then the rest in key order.
+    keys = sorted(old, key=lambda k: (k not in HEADLINE_KEYS, HEADLINE_KEYS.index(k) if k in HEADLINE_KEYS else 0, k))
+    return [
+        f"{key}: {old[key]!r} -> {cur.get(key, missing)!r}" if key in cur else f"{key}: {old[key]!r} -> (absent)"
+        for key in keys
+        if cur.get(key, missing) != old[key]
+    ]
+
+
+def _owner(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+@contextmanager
+def claim(run_dir: Path) -> Iterator[None]:
+    """Hold ``run_dir`` exclusively for the duration; ConfigError if another live process holds it."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise ConfigError(f"cannot write the run directory {run_dir}: {err.strerror}; choose another hydra.run.dir")
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise ConfigError(
+                f"run directory {run_dir} is in use by another run ({_owner(path)}); wait for it to end "
+                "or choose another hydra.run.dir"
+            ) from None
+        previous = _owner(path)
+        if previous != "unknown":
+            # A lock file with an owner but no lock held: that process ended without releasing it (killed).
+            logging.getLogger("adazeta").warning("took over %s from a run that ended uncleanly (%s)", path, previous)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)  # a clean exit leaves no owner behind
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one rename; on failure the old file (if any) is left as it was."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+
+
+class Interrupted(BaseException):
+    """Raised by a stop signal outside the training loop; a BaseException so that no ``except Exception`` eats it."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopSignals:
+    """Within ``with``: SIGTERM / SIGINT set ``requested`` while ``loop`` is true, else raise ``Interrupted``."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self.loop = False
+        self._previous: dict[int, Any] = {}
+
+    def __call__(self) -> str | None:
+        """The name of the signal that asked the run to stop, or None: the training loop's ``stop`` check."""
+        return self.requested
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.loop and self.requested is None:
+            self.requested = name  # finish the step, checkpoint, stop
+            logging.getLogger("adazeta").warning("%s: stopping after this step (send it again to stop at once)", name)
+            return
+        self.requested = name
+        raise Interrupted(name)
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()

@@ -1,0 +1,257 @@
+"""A run's life in its directory: one owner, skip only the same run, interrupt and resume, complete records."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import adazeta.run as run_module
+from adazeta.errors import ConfigError
+from adazeta.rundir import atomic_write_text, claim, config_differences
+from adazeta.run import CHECKPOINT, run
+from adazeta.tracking import Tracker, WandbConfig
+from conftest import compose_cfg, tiny_overrides
+
+# Columns that measure the machine, not the computation: they differ between any two runs.
+TIMING = {"step_time_s", "peak_mem_mb"}
+
+
+def rows(path: Path, drop: set[str] = frozenset()) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return [{k: v for k, v in r.items() if k not in drop} for r in csv.DictReader(f)]
+
+
+def cfg(data_dir: Path, *extra: str):
+    return compose_cfg(tiny_overrides(data_dir, "train.max_steps=8", "train.eval_every=2", *extra))
+
+
+# --- one owner ---------------------------------------------------------------------------------------------
+
+
+def test_a_claimed_directory_refuses_a_second_run_before_any_work(fixture_data, tmp_path):
+    run_dir = tmp_path / "run"
+    with claim(run_dir):
+        with pytest.raises(ConfigError, match=r"in use by another run \(pid \d+"):
+            run(cfg(fixture_data), run_dir)
+    assert not (run_dir / "result.json").exists() and not (run_dir / "metrics.csv").exists()
+    with claim(run_dir):  # released: claimable again
+        pass
+
+
+def test_a_lock_left_by_a_killed_process_is_taken_over(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    code = (
+        "import os, signal, sys; from pathlib import Path; from adazeta.rundir import claim\n"
+        f"with claim(Path({str(run_dir)!r})): os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=os.environ.copy())
+    assert proc.returncode == -signal.SIGKILL
+    assert "pid" in (run_dir / ".lock").read_text()  # the dead owner's note is still there
+    with caplog.at_level("WARNING", logger="adazeta"), claim(run_dir):
+        assert f"pid {os.getpid()}" in (run_dir / ".lock").read_text()
+    assert "ended uncleanly" in caplog.text
+
+
+def written(run_dir: Path) -> dict[str, int]:
+    """Modification times of the run's records (the lock file changes hands by design)."""
+    return {p.name: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"}
+
+
+# --- skip only what matches ----------------------------------------------------------------------------------
+
+
+def test_a_finished_run_is_skipped_only_when_the_settings_match(fixture_data, tmp_path):
+    run_dir = tmp_path / "run"
+    first = run(cfg(fixture_data, "method=mezo_lora"), run_dir, ["method=mezo_lora"])
+    assert first["status"] == "finished"
+    before = written(run_dir)
+    # The same run with other paths and logging settings: skipped, nothing rewritten.
+    again = run(cfg(fixture_data, "method=mezo_lora", "wandb.project=other", "train.eval_batch_size=3"), run_dir)
+    assert again["test_accuracy"] == first["test_accuracy"]
+    assert written(run_dir) == before
+    # Another seed or method: refused in one line that names the differences; nothing is touched.
+    with pytest.raises(ConfigError, match=r"holds a finished run with other settings \(seed: 0 -> 1\); rerun with force=true"):
+        run(cfg(fixture_data, "method=mezo_lora", "seed=1"), run_dir)
+    with pytest.raises(ConfigError, match=r"method.name: 'mezo_lora' -> 'mezo'"):
+        run(cfg(fixture_data, "method=mezo"), run_dir)
+    assert written(run_dir) == before
+    assert "name: mezo_lora" in (run_dir / ".hydra" / "config.yaml").read_text()
+    forced = run(cfg(fixture_data, "method=mezo_lora", "seed=1", "force=true"), run_dir)
+    assert forced["seed"] == 1 and "seed: 1" in (run_dir / ".hydra" / "config.yaml").read_text()
+
+
+def test_settings_added_to_the_code_later_do_not_count_as_differences():
+    old = {"seed": 0, "train": {"max_steps": 4}, "data": {"dir": "/a"}}
+    new = {"seed": 0, "train": {"max_steps": 4, "checkpoint_every": None, "new_setting": 1}, "data": {"dir": "/b"}}
+    assert config_differences(old, new) == []
+    assert config_differences(new, old) == ["train.new_setting: 1 -> (absent)"]
+
+
+# --- interrupt and resume ------------------------------------------------------------------------------------
+
+
+def signal_at_step(monkeypatch, step: int, signum: int = signal.SIGTERM) -> None:
+    """Send ``signum`` to this process right after the loop has logged ``step`` (a real signal, real handler)."""
+    log_step = Tracker.log_step
+
+    def log_and_signal(self, row):
+        log_step(self, row)
+        if row["step"] == step:
+            os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(Tracker, "log_step", log_and_signal)
+
+
+@pytest.mark.parametrize("method", ["adazeta", "tt_adapter"])
+def test_an_interrupted_run_resumes_to_the_uninterrupted_records(method, fixture_data, tmp_path, monkeypatch):
+    extra = [f"method={method}", "schedule=adaptive"] if method == "adazeta" else [f"method={method}"]
+    whole = run(cfg(fixture_data, *extra), tmp_path / "whole")
+    assert whole["status"] == "finished"
+
+    run_dir = tmp_path / "cut"
+    with monkeypatch.context() as m:
+        signal_at_step(m, 5)
+        cut = run(cfg(fixture_data, *extra), run_dir)
+    assert cut["status"] == "interrupted" and cut["signal"] == "SIGTERM" and cut["steps"] == 5
+    assert "SIGTERM at step 5" in cut["reason"] and "test_accuracy" not in cut
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "interrupted"
+    assert (run_dir / CHECKPOINT).is_file()
+    assert len(rows(run_dir / "metrics.csv")) == 5
+    assert all(r["split"] == "dev" for r in rows(run_dir / "eval.csv"))  # never tested
+
+    resumed = run(cfg(fixture_data, *extra), run_dir)
+    assert resumed["status"] == "finished" and resumed["resumed_from_step"] == 5
+    assert not (run_dir / CHECKPOINT).exists()
+    assert rows(run_dir / "metrics.csv", TIMING) == rows(tmp_path / "whole" / "metrics.csv", TIMING)
+    assert (run_dir / "eval.csv").read_bytes() == (tmp_path / "whole" / "eval.csv").read_bytes()
+    for key in ("test_accuracy", "test_loss", "dev_loss", "best_step", "forward_passes", "steps"):
+        assert resumed[key] == whole[key], key
+
+
+def test_a_crash_resumes_from_the_last_periodic_checkpoint(fixture_data, tmp_path, monkeypatch):
+    """A killed run (no chance to save at the end) loses only the steps after its last checkpoint."""
+    extra = ["method=mezo_lora", "train.checkpoint_every=3"]
+    whole = run(cfg(fixture_data, *extra), tmp_path / "whole")
+    run_dir = tmp_path / "cut"
+    log_step = Tracker.log_step
+
+    def crash_at_7(self, row):
+        log_step(self, row)
+        if row["step"] == 7:
+            raise RuntimeError("node lost (simulated)")
+
+    with monkeypatch.context() as m:
+        m.setattr(Tracker, "log_step", crash_at_7)
+        with pytest.raises(RuntimeError):
+            run(cfg(fixture_data, *extra), run_dir)
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "failed"
+    assert len(rows(run_dir / "metrics.csv")) == 7  # rows past the checkpoint (6) are rewritten on resume
+    resumed = run(cfg(fixture_data, *extra), run_dir)
+    assert resumed["resumed_from_step"] == 6
+    assert rows(run_dir / "metrics.csv", TIMING) == rows(tmp_path / "whole" / "metrics.csv", TIMING)
+    assert (run_dir / "eval.csv").read_bytes() == (tmp_path / "whole" / "eval.csv").read_bytes()
+    assert resumed["test_accuracy"] == whole["test_accuracy"]
+
+
+def test_a_signal_while_the_model_loads_is_recorded_without_a_traceback(fixture_data, tmp_path, monkeypatch):
+    build = run_module.build
+
+    def build_then_sigint(s):
+        built = build(s)
+        os.kill(os.getpid(), signal.SIGINT)
+        return built
+
+    monkeypatch.setattr(run_module, "build", build_then_sigint)
+    record = run(cfg(fixture_data, "method=mezo_lora"), tmp_path / "run")
+    assert record["status"] == "interrupted" and record["signal"] == "SIGINT"
+    assert "outside a training step" in record["reason"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+def test_sigterm_to_the_command_ends_with_one_line_and_the_same_command_resumes(fixture_data, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*tiny_overrides(fixture_data, "method=mezo_lora", "train.max_steps=400", "train.eval_every=100"),
+            f"hydra.run.dir={run_dir}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    proc = subprocess.Popen([sys.executable, "-m", "adazeta.cli", *args], env=env, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:  # wait until training is under way
+        metrics = run_dir / "metrics.csv"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) > 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err
+    assert "adazeta-run: interrupted (SIGTERM at step" in err and "run the same command again to resume" in err
+    record = json.loads((run_dir / "result.json").read_text())
+    assert record["status"] == "interrupted" and (run_dir / CHECKPOINT).is_file()
+    again = subprocess.run([sys.executable, "-m", "adazeta.cli", *args], env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    record = json.loads((run_dir / "result.json").read_text())
+    assert record["status"] == "finished" and record["resumed_from_step"] >= 3
+    assert [int(r["step"]) for r in rows(run_dir / "metrics.csv")] == list(range(1, 401))
+
+
+# --- complete records --------------------------------------------------------------------------------------
+
+
+def test_a_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "result.json"
+    path.write_text('{"status": "finished"}\n')
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError):
+        atomic_write_text(path, '{"status": "failed"}\n')
+    assert path.read_text() == '{"status": "finished"}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # no temp file left behind
+
+
+def test_the_command_reports_a_failed_final_write_in_one_line(fixture_data, tmp_path):
+    run_dir = tmp_path / "run"
+    code = (
+        "import sys, adazeta.run as r\n"
+        "def full(*a, **k): raise OSError(28, 'No space left on device')\n"
+        "r.write_result = full\n"
+        "from adazeta.cli import main; sys.argv = ['adazeta-run'] + sys.argv[1:]; main()"
+    )
+    args = [*tiny_overrides(fixture_data, "method=mezo_lora"), f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert f"adazeta-run: error: could not write to {run_dir}: No space left on device" in proc.stderr
+    assert len(rows(run_dir / "metrics.csv")) == 4  # what the run wrote stays
+
+
+# --- wandb ------------------------------------------------------------------------------------------------
+
+
+def test_test_metrics_reach_wandb_when_the_best_step_is_early(tmp_path):
+    tracker = Tracker(tmp_path, WandbConfig(mode="offline"), "t", {}, [])
+    for step in range(1, 5):
+        tracker.log_step({"step": step, "loss": 1.0})
+    tracker.log_eval(2, "test", 0.5, 0.75)
+    summary = dict(tracker.wandb.summary)
+    tracker.close()
+    assert summary["test/accuracy"] == 0.75 and summary["test/best_step"] == 2
+
+
+def test_wandb_mode_auto_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    tracker = Tracker(tmp_path, WandbConfig(mode="auto"), "t", {}, [])
+    assert tracker.wandb_mode == "disabled" and tracker.wandb is None
+    tracker.close()
