@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -19,6 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from adazeta.errors import ConfigError
+from adazeta.overrides import check
 
 CONFIG_ENV = "ADAZETA_CONFIG_DIR"
 
@@ -43,6 +45,7 @@ def _main(cfg: DictConfig) -> float | None:
         # A user's mistake: one line with the fix, no traceback.
         print(f"adazeta-run: error: {err}", file=sys.stderr)
         if sweeping:
+            FAILED.append(f"{_point(hydra_cfg)}: {err}")
             return None  # the other jobs of the sweep still run
         sys.exit(2)
     except OSError as err:
@@ -55,6 +58,7 @@ def _main(cfg: DictConfig) -> float | None:
             raise
         # result.json already says `failed`, with the reason; one failed job must not stop a sweep.
         logging.getLogger("adazeta").exception("job %s failed; the sweep goes on", hydra_cfg.job.num)
+        FAILED.append(f"{_point(hydra_cfg)}: {sys.exc_info()[0].__name__}: {sys.exc_info()[1]} (see {run_dir})")
         return None
     if record.get("status") == "interrupted":
         # Stopped by SIGTERM / SIGINT: the run is recorded and checkpointed; a sweep stops here too.
@@ -64,8 +68,30 @@ def _main(cfg: DictConfig) -> float | None:
     return record.get("dev_accuracy")  # what a Hydra sweeper would optimise
 
 
+FAILED: list[str] = []  # the sweep points that failed, one line each, for the summary at the end
+
+
+def _point(hydra_cfg: Any) -> str:
+    return " ".join(hydra_cfg.overrides.task) or f"job {hydra_cfg.job.num}"
+
+
 def main() -> None:
+    """Check the overrides (one line and exit 2 for a mistake), run, and sum up a sweep's failed points."""
+    checked = check(sys.argv[1:], config_dir())
+    for line in checked.errors:
+        print(f"adazeta-run: error: {line}", file=sys.stderr)
+    if checked.errors:
+        sys.exit(2)
+    for line in checked.dropped:
+        print(f"adazeta-run: error: {line} (left out of the sweep; the other values run)", file=sys.stderr)
+    sys.argv = [sys.argv[0], *checked.argv]
     _main()
+    failed = [f"{line}" for line in checked.dropped] + FAILED
+    if failed:
+        print(f"adazeta-run: {len(failed)} sweep point(s) did not run to a result:", file=sys.stderr)
+        for line in failed:
+            print(f"  {line}", file=sys.stderr)
+        sys.exit(2 if not FAILED else 1)
 
 
 if __name__ == "__main__":

@@ -30,16 +30,16 @@ class DemonstrationConfig:
 
     def __post_init__(self) -> None:
         if self.k < 1:
-            raise ConfigError(f"demonstrations.k={self.k} must be >= 1 (k = 0 is the zero_shot method)")
+            raise ConfigError(f"method.demonstrations.k={self.k} must be >= 1 (k = 0 is the zero_shot method)")
         if not isinstance(self.separator, str):
-            raise ConfigError(f"demonstrations.separator={self.separator!r} must be a string, e.g. '\\n\\n'")
+            raise ConfigError(f"method.demonstrations.separator={self.separator!r} must be a string, e.g. '\\n\\n'")
 
 
 def sample_demonstrations(train: Sequence[Example], k: int, seed: int) -> list[Example]:
     """k distinct train examples, drawn with ``seed`` (the same seed gives the same demonstrations)."""
     if k > len(train):
         raise ConfigError(
-            f"demonstrations.k={k} is more than the {len(train)} train examples; lower it or raise data.num_train"
+            f"method.demonstrations.k={k} is more than the {len(train)} train examples; lower it or raise data.num_train"
         )
     order = np.random.RandomState(seed).choice(len(train), size=k, replace=False)
     return [train[i] for i in order]

@@ -37,9 +37,9 @@ class ProbeConfig:
     def __post_init__(self) -> None:
         self.C = [float(c) for c in (self.C if isinstance(self.C, (list, tuple)) else [self.C])]
         if not self.C or any(c <= 0 for c in self.C):
-            raise ConfigError(f"probe.C={self.C} must be a non-empty list of values > 0")
+            raise ConfigError(f"method.probe.C={self.C} must be a non-empty list of values > 0")
         if self.max_iter < 1:
-            raise ConfigError(f"probe.max_iter={self.max_iter} must be >= 1")
+            raise ConfigError(f"method.probe.max_iter={self.max_iter} must be >= 1")
 
 
 @torch.no_grad()

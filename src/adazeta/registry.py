@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
+import typing
 from typing import Any, Callable, Generic, TypeVar
 
 from adazeta.errors import ConfigError
@@ -49,10 +51,103 @@ class Registry(Generic[T]):
         return make_config(self.get(name).config_cls, values or {}, where=f"{self.kind} {name!r}")
 
 
-def make_config(cls: type, values: dict[str, Any], where: str) -> Any:
-    """Instantiate dataclass ``cls`` from ``values``; unknown keys fail with the list of known ones."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - fields)
+def make_config(cls: type, values: dict[str, Any], where: str, path: str | None = None) -> Any:
+    """Instantiate dataclass ``cls`` from ``values``, checking keys and value types first.
+
+    Unknown keys fail with the list of known ones; a value of the wrong type fails naming its override path
+    (``path``, default: ``where`` up to its first space) and the type expected: ``method.optimizer.lr='abc' must
+    be a number``. Ints are accepted where floats are expected (and converted).
+    """
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where} must be a mapping of settings, got {values!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
-    return cls(**values)
+        close = difflib.get_close_matches(unknown[0], list(fields), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}{hint}")
+    prefix = path if path is not None else where.split(" ")[0]
+    hints = typing.get_type_hints(cls)
+    checked = {}
+    for name, value in values.items():
+        checked[name] = check_type(value, hints.get(name, Any), f"{prefix}.{name}")
+    return cls(**checked)
+
+
+def show(value: Any) -> str:
+    """A value as a user writes it in an override: null, true, 'text', 2.5."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value)
+
+
+def _type_name(hint: Any) -> str:
+    if hint is bool:
+        return "true or false"
+    if hint is int:
+        return "an integer"
+    if hint is float:
+        return "a number"
+    if hint is str:
+        return "a string"
+    if hint is type(None):
+        return "null"
+    origin = typing.get_origin(hint)
+    if origin in (list, tuple):
+        return "a list"
+    if origin is dict:
+        return "a mapping"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    return getattr(hint, "__name__", str(hint))
+
+
+def check_type(value: Any, hint: Any, path: str) -> Any:
+    """``value`` if it fits ``hint`` (a float for an int given as a float hint), else ConfigError naming ``path``."""
+    ok, converted = _fits(value, hint)
+    if not ok:
+        raise ConfigError(f"{path}={show(value)} must be {_type_name(hint)}")
+    return converted
+
+
+def _fits(value: Any, hint: Any) -> tuple[bool, Any]:
+    if hint is Any or isinstance(hint, typing.TypeVar):
+        return True, value
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            ok, converted = _fits(value, option)
+            if ok:
+                return True, converted
+        return False, value
+    if hint is type(None):
+        return value is None, value
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False, value
+        return True, float(value)
+    if hint is str:
+        return isinstance(value, str), value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        args = typing.get_args(hint)
+        inner = args[0] if args and (origin is list or (len(args) == 2 and args[1] is Ellipsis)) else Any
+        out = []
+        for item in value:
+            ok, converted = _fits(item, inner)
+            if not ok:
+                return False, value
+            out.append(converted)
+        return True, type(value)(out) if origin is tuple else out
+    if origin is dict or hint is dict:
+        return isinstance(value, dict), value
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, (dict, hint)), value  # built (and checked) by the dataclass itself
+    return True, value  # anything richer is the dataclass's own business

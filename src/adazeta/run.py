@@ -30,7 +30,7 @@ from adazeta.models import LoadedModel, ModelConfig, count_parameters, load_mode
 from adazeta.optim import OPTIMIZERS
 from adazeta.optim.zo_sgd import ZOSGDConfig
 from adazeta.probe import ProbeConfig, linear_probe
-from adazeta.registry import make_config
+from adazeta.registry import make_config, show
 from adazeta.results import device_info, git_state, package_versions, read_result, write_result
 from adazeta.rundir import Interrupted, StopSignals, atomic_write_text, claim, config_differences
 from adazeta.optim.batched import replica_sites
@@ -97,11 +97,15 @@ def _component(registry: Any, node: dict[str, Any] | None, where: str) -> Compon
 def parse(cfg: DictConfig) -> Settings:
     """Hydra config -> typed settings. Raises ConfigError with a one-line message on any bad value."""
     raw = _plain(cfg)
+    seed = raw.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        # numpy's global seed is 32 bits; every other generator derives from this one.
+        raise ConfigError(f"seed={show(seed)} must be an integer in [0, 2**32 - 1]")
     method = raw["method"]
     schedule = dict(raw["schedule"])
     schedule_name = schedule.pop("name")
     settings = Settings(
-        seed=int(raw["seed"]),
+        seed=seed,
         dry_run=bool(raw.get("dry_run", False)),
         force=bool(raw.get("force", False)),
         method=method["name"],

@@ -46,24 +46,24 @@ class BottleneckAdapterConfig:
 
     def __post_init__(self) -> None:
         if self.init not in INITS:
-            raise ConfigError(f"adapter.init={self.init!r} is unknown; known: {', '.join(INITS)}")
+            raise ConfigError(f"method.adapter.init={self.init!r} is unknown; known: {', '.join(INITS)}")
         if self.bottleneck < 1:
-            raise ConfigError(f"adapter.bottleneck={self.bottleneck} must be >= 1")
+            raise ConfigError(f"method.adapter.bottleneck={self.bottleneck} must be >= 1")
         if self.placement not in PLACEMENT_NAMES:
-            raise ConfigError(f"adapter.placement={self.placement!r} is unknown; known: {', '.join(PLACEMENT_NAMES)}")
+            raise ConfigError(f"method.adapter.placement={self.placement!r} is unknown; known: {', '.join(PLACEMENT_NAMES)}")
         if self.activation not in ACTIVATIONS:
-            raise ConfigError(f"adapter.activation={self.activation!r} is unknown; known: {', '.join(ACTIVATIONS)}")
+            raise ConfigError(f"method.adapter.activation={self.activation!r} is unknown; known: {', '.join(ACTIVATIONS)}")
         for i, target in enumerate(self.targets or []):
             if not isinstance(target, dict) or set(target) != {"pattern", "position"}:
-                raise ConfigError(f"adapter.targets[{i}]={target} must have exactly the keys 'pattern' and 'position'")
+                raise ConfigError(f"method.adapter.targets[{i}]={target} must have exactly the keys 'pattern' and 'position'")
             if target["position"] not in POSITIONS:
                 raise ConfigError(
-                    f"adapter.targets[{i}].position={target['position']!r} is unknown; known: {', '.join(POSITIONS)}"
+                    f"method.adapter.targets[{i}].position={target['position']!r} is unknown; known: {', '.join(POSITIONS)}"
                 )
             try:
                 re.compile(target["pattern"])
             except re.error as err:
-                raise ConfigError(f"adapter.targets[{i}].pattern={target['pattern']!r} is not a regex: {err}") from None
+                raise ConfigError(f"method.adapter.targets[{i}].pattern={target['pattern']!r} is not a regex: {err}") from None
 
 
 class BottleneckAdapter(nn.Module):

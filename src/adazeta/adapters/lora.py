@@ -19,9 +19,9 @@ class LoraAdapterConfig:
 
     def __post_init__(self) -> None:
         if self.r < 1:
-            raise ConfigError(f"adapter.r={self.r} must be >= 1")
+            raise ConfigError(f"method.adapter.r={self.r} must be >= 1")
         if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"adapter.dropout={self.dropout} must be in [0, 1)")
+            raise ConfigError(f"method.adapter.dropout={self.dropout} must be in [0, 1)")
 
 
 @ADAPTERS.register("lora", LoraAdapterConfig)

@@ -91,17 +91,17 @@ class TTAdapterConfig:
 
     def __post_init__(self) -> None:
         if self.init not in INITS:
-            raise ConfigError(f"adapter.init={self.init!r} is unknown; known: {', '.join(INITS)}")
+            raise ConfigError(f"method.adapter.init={self.init!r} is unknown; known: {', '.join(INITS)}")
         if self.bottleneck < 1:
-            raise ConfigError(f"adapter.bottleneck={self.bottleneck} must be >= 1")
+            raise ConfigError(f"method.adapter.bottleneck={self.bottleneck} must be >= 1")
         if self.rank < 1:
-            raise ConfigError(f"adapter.rank={self.rank} must be >= 1")
+            raise ConfigError(f"method.adapter.rank={self.rank} must be >= 1")
         if self.num_factors < 1:
-            raise ConfigError(f"adapter.num_factors={self.num_factors} must be >= 1")
+            raise ConfigError(f"method.adapter.num_factors={self.num_factors} must be >= 1")
         if self.placement not in PLACEMENT_NAMES:
-            raise ConfigError(f"adapter.placement={self.placement!r} is unknown; known: {', '.join(PLACEMENT_NAMES)}")
+            raise ConfigError(f"method.adapter.placement={self.placement!r} is unknown; known: {', '.join(PLACEMENT_NAMES)}")
         if self.activation not in ACTIVATIONS:
-            raise ConfigError(f"adapter.activation={self.activation!r} is unknown; known: {', '.join(ACTIVATIONS)}")
+            raise ConfigError(f"method.adapter.activation={self.activation!r} is unknown; known: {', '.join(ACTIVATIONS)}")
         if self.shape_down is not None:
             self._check_shape("shape_down", list(self.shape_down), bottleneck_is_input=False)
         if self.shape_up is not None:
@@ -112,11 +112,11 @@ class TTAdapterConfig:
 
     def _check_shape(self, field: str, shape: list[int], bottleneck_is_input: bool) -> None:
         if len(shape) < 2 or any(not isinstance(k, int) or k < 1 for k in shape):
-            raise ConfigError(f"adapter.{field}={shape} must be a list of at least two positive integers")
+            raise ConfigError(f"method.adapter.{field}={shape} must be a list of at least two positive integers")
         total = math.prod(shape)
         if total % self.bottleneck:
             raise ConfigError(
-                f"adapter.{field}={shape} has product {total}, not a multiple of bottleneck={self.bottleneck}"
+                f"method.adapter.{field}={shape} has product {total}, not a multiple of bottleneck={self.bottleneck}"
             )
         # down: (H, b), so a prefix must multiply to H; up: (b, H), so a prefix must multiply to b.
         in_features = self.bottleneck if bottleneck_is_input else total // self.bottleneck
@@ -125,21 +125,21 @@ class TTAdapterConfig:
         except ValueError:
             side = "first" if bottleneck_is_input else "last"
             raise ConfigError(
-                f"adapter.{field}={shape} cannot be split: its {side} modes must multiply to "
+                f"method.adapter.{field}={shape} cannot be split: its {side} modes must multiply to "
                 f"bottleneck={self.bottleneck}"
             ) from None
 
     def _check_target(self, i: int, target: dict) -> None:
         if set(target) != {"pattern", "position"}:
-            raise ConfigError(f"adapter.targets[{i}]={target} must have exactly the keys 'pattern' and 'position'")
+            raise ConfigError(f"method.adapter.targets[{i}]={target} must have exactly the keys 'pattern' and 'position'")
         if target["position"] not in POSITIONS:
             raise ConfigError(
-                f"adapter.targets[{i}].position={target['position']!r} is unknown; known: {', '.join(POSITIONS)}"
+                f"method.adapter.targets[{i}].position={target['position']!r} is unknown; known: {', '.join(POSITIONS)}"
             )
         try:
             re.compile(target["pattern"])
         except re.error as err:
-            raise ConfigError(f"adapter.targets[{i}].pattern={target['pattern']!r} is not a regex: {err}") from None
+            raise ConfigError(f"method.adapter.targets[{i}].pattern={target['pattern']!r} is not a regex: {err}") from None
 
     def check_hidden(self, hidden_size: int) -> None:
         """Fail before loading a model when explicit shapes do not fit ``hidden_size * bottleneck``."""
@@ -154,7 +154,7 @@ class TTAdapterConfig:
         expected = features * self.bottleneck
         if math.prod(shape) != expected:
             raise ConfigError(
-                f"adapter.{field}={list(shape)} has product {math.prod(shape)} but {what}*bottleneck = "
+                f"method.adapter.{field}={list(shape)} has product {math.prod(shape)} but {what}*bottleneck = "
                 f"{features}*{self.bottleneck} = {expected}; fix the shape or remove it to derive one"
             )
 

@@ -26,15 +26,15 @@ class AdamWConfig:
         # Hydra hands lists; a tuple keeps the config hashable and matches torch's signature.
         self.betas = tuple(self.betas)  # type: ignore[assignment]
         if self.lr < 0:
-            raise ConfigError(f"optimizer.lr={self.lr!r} must be >= 0")
+            raise ConfigError(f"method.optimizer.lr={self.lr!r} must be >= 0")
         if self.weight_decay < 0:
-            raise ConfigError(f"optimizer.weight_decay={self.weight_decay!r} must be >= 0")
+            raise ConfigError(f"method.optimizer.weight_decay={self.weight_decay!r} must be >= 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"optimizer.betas={list(self.betas)!r} must be two values in [0, 1)")
+            raise ConfigError(f"method.optimizer.betas={list(self.betas)!r} must be two values in [0, 1)")
         if self.eps <= 0:
-            raise ConfigError(f"optimizer.eps={self.eps!r} must be > 0")
+            raise ConfigError(f"method.optimizer.eps={self.eps!r} must be > 0")
         if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ConfigError(f"optimizer.grad_clip={self.grad_clip!r} must be > 0 or null (no clipping)")
+            raise ConfigError(f"method.optimizer.grad_clip={self.grad_clip!r} must be > 0 or null (no clipping)")
 
 
 @OPTIMIZERS.register("adamw", AdamWConfig)

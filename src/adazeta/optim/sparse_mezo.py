@@ -107,13 +107,13 @@ class SparseZOSGDConfig(ZOSGDConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0.0 <= self.sparsity < 1.0:
-            raise ConfigError(f"optimizer.sparsity={self.sparsity!r} must be in [0, 1) (the fraction left unperturbed)")
+            raise ConfigError(f"method.optimizer.sparsity={self.sparsity!r} must be in [0, 1) (the fraction left unperturbed)")
         if self.mask not in MASK_KINDS:
-            raise ConfigError(f"optimizer.mask={self.mask!r} must be one of {', '.join(MASK_KINDS)}")
+            raise ConfigError(f"method.optimizer.mask={self.mask!r} must be one of {', '.join(MASK_KINDS)}")
         if self.weight_decay != 0:
             # zo_update_ decays whole tensors, which would move the entries the mask keeps still.
             raise ConfigError(
-                f"optimizer.weight_decay={self.weight_decay!r}: Sparse-MeZO moves only masked entries; set it to 0"
+                f"method.optimizer.weight_decay={self.weight_decay!r}: Sparse-MeZO moves only masked entries; set it to 0"
             )
 
 

@@ -211,8 +211,8 @@ class ZOSGDConfig:
     query_chunk: int = 4  # batched: at most this many loss evaluations per forward (memory grows with it)
 
     def __post_init__(self) -> None:
-        _validate("optimizer.", self.lr, self.eps, self.weight_decay, self.reduction, self.estimator)
-        _check_chunk("optimizer.", self.query_chunk)
+        _validate("method.optimizer.", self.lr, self.eps, self.weight_decay, self.reduction, self.estimator)
+        _check_chunk("method.optimizer.", self.query_chunk)
 
 
 @OPTIMIZERS.register("zo_sgd", ZOSGDConfig)
