@@ -67,6 +67,21 @@ CASES = [
     (["method=lora", "+method.optimizer.betas=[0.9]"], "method.optimizer.betas=[0.9] must be two values"),
     (["method=icl", "method.demonstrations.k=0"], "method.demonstrations.k=0 must be >= 1"),
     (["schedule=constant", "schedule.q=0"], "schedule.q=0 must be"),
+    (["force=maybe"], "force='maybe' must be true or false"),
+    (["dry_run=yes"], "dry_run='yes' must be true or false"),
+    (["data.k=0"], "data.k=0 must be >= 1"),
+    (["data.kshot_seed=-1"], "data.kshot_seed=-1 must be >= 0"),
+    (["data.num_eval=-5"], "data.num_eval=-5 must be >= 1"),
+    (["method=mezo", "method.optimizer.batched_queries=true"], "method.optimizer has no key 'batched_queries'"),
+    (["model.dtype=fp8"], "model.dtype='fp8' is not one of fp32, bf16, fp16"),
+    (["model.device=tpu"], "model.device='tpu' must be auto, cpu, cuda or cuda:N"),
+    (["model.max_length=4"], "model.max_length=4 must be >= 8"),
+    (["task.num_dev=0"], "task.num_dev=0 must be >= 1"),
+    (["train.eval_every=0"], "train.eval_every=0 must be >= 1"),
+    (["train.grad_accum=0"], "train.grad_accum=0 must be >= 1"),
+    (["method.optimizer.weight_decay=-1"], "method.optimizer.weight_decay=-1.0 must be >= 0"),
+    (["schedule=adaptive", "schedule.q_max=0"], "schedule.q_max=0 must be >= 1"),
+    (["schedule=adaptive_official", "schedule.q_cap=0"], "schedule.q_cap=0 must be >= 1"),
     # data that is not there, found before any model loads
     (["data.dir=/nonexistent/data"], "data file not found: /nonexistent/data/superglue/RTE/train.jsonl"),
 ]
@@ -74,7 +89,6 @@ CASES = [
 
 def run_cli(monkeypatch, capsys, args: list[str]) -> tuple[int, str]:
     monkeypatch.setattr(sys, "argv", ["adazeta-run", *args])
-    monkeypatch.setattr(cli, "FAILED", [])
     with pytest.raises(SystemExit) as exit_info:
         cli.main()
     return exit_info.value.code, capsys.readouterr().err
@@ -107,3 +121,133 @@ def test_a_sweep_whose_point_fails_exits_non_zero(fixture_data, tmp_path, monkey
     code, err = run_cli(monkeypatch, capsys, args)
     assert code != 0
     assert "sweep point(s) did not run to a result" in err and "must be >= 0" in err
+
+
+# --- data files: every row is read and checked before the model loads ------------------------------------------
+
+
+def rte_train(data_dir):
+    return data_dir / "superglue" / "RTE" / "train.jsonl"
+
+
+def append_line(path, line: bytes) -> int:
+    """Append a raw line; return its line number."""
+    n = len(path.read_bytes().splitlines())
+    with open(path, "ab") as f:
+        f.write(line + b"\n")
+    return n + 1
+
+
+DATA_FAULTS = {
+    # name: (how to break the fixture data, message fragment given the broken file and line)
+    "not_utf8": (lambda d: append_line(rte_train(d), b'{"premise": "caf\xe9", "hypothesis": "x", "label": "entailment"}'),
+                 "not UTF-8"),
+    "bad_json": (lambda d: append_line(rte_train(d), b'{"premise": "x", '), "not valid JSON"),
+    "not_an_object": (lambda d: append_line(rte_train(d), b'["x", "y"]'), "expected one JSON object per line"),
+    "missing_field": (lambda d: append_line(rte_train(d), b'{"premise": "x", "label": "entailment"}'),
+                      "missing field 'hypothesis'"),
+    "null_field": (lambda d: append_line(rte_train(d), b'{"premise": null, "hypothesis": "x", "label": "entailment"}'),
+                   "field 'premise' is null"),
+    "unknown_label": (lambda d: append_line(rte_train(d), b'{"premise": "x", "hypothesis": "y", "label": "maybe"}'),
+                      "label 'maybe' is not one of"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(DATA_FAULTS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_bad_row_anywhere_fails_before_the_model_loads_whatever_the_seed(fault, seed, fixture_data, tmp_path,
+                                                                           monkeypatch, capsys):
+    """The bad row is the file's last: no seed's 32 sampled examples need contain it; it is found anyway."""
+    breaks, message = DATA_FAULTS[fault]
+    line = breaks(fixture_data)
+    import adazeta.run as run_module
+
+    monkeypatch.setattr(run_module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    code, err = run_cli(monkeypatch, capsys, [*tiny_overrides(fixture_data), f"seed={seed}",
+                                              f"hydra.run.dir={tmp_path / 'run'}"])
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert f"{rte_train(fixture_data)}:{line}" in lines[0] and message in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"", "no rows in the eval split"),
+    (b'{"premise": "x", "hypothesis": "y", "label": "entailment"}\n\n\n', None),  # blank lines are fine
+])
+def test_an_empty_evaluation_file_is_refused(content, message, fixture_data, tmp_path, monkeypatch, capsys):
+    (fixture_data / "superglue" / "RTE" / "val.jsonl").write_bytes(content)
+    args = [*tiny_overrides(fixture_data), "dry_run=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    if message is None:
+        from adazeta.run import compose_settings, preflight
+
+        preflight(compose_settings(args[:-1]))
+        return
+    code, err = run_cli(monkeypatch, capsys, args)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_tsv_row_with_the_wrong_number_of_columns(fixture_data, tmp_path, monkeypatch, capsys):
+    path = fixture_data / "glue" / "SST-2" / "train.tsv"
+    line = append_line(path, b"only one column")
+    code, err = run_cli(monkeypatch, capsys, [*tiny_overrides(fixture_data), "task=sst2",
+                                              f"hydra.run.dir={tmp_path / 'run'}"])
+    assert code == 2 and f"{path}:{line}: 1 columns, expected 2" in err, err
+
+
+# --- model files ---------------------------------------------------------------------------------------------
+
+
+GGUF_HEADER = b"GGUF" + (3).to_bytes(4, "little") + (1).to_bytes(8, "little") + (0).to_bytes(8, "little")
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"", "holds 0 bytes, too few for a GGUF header"),
+    (b"<html>404 Not Found</html>", "is not a GGUF file (it starts with b'<htm'"),
+    (b"GGUF" + (99).to_bytes(4, "little") + bytes(16), "GGUF header with version 99"),
+])
+def test_a_broken_gguf_file_fails_before_loading(content, message, fixture_data, tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    folder.mkdir(parents=True)
+    (folder / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(content)
+    args = [*tiny_overrides(fixture_data), "model=smollm2-135m", f"model.model_dir={tmp_path / 'models'}",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    code, err = run_cli(monkeypatch, capsys, args)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_truncated_gguf_file_fails_in_one_line(fixture_data, tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    folder.mkdir(parents=True)
+    (folder / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(GGUF_HEADER)  # a header, then nothing
+    args = [*tiny_overrides(fixture_data), "model=smollm2-135m", f"model.model_dir={tmp_path / 'models'}",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    code, err = run_cli(monkeypatch, capsys, args)
+    lines = [x for x in err.splitlines() if x.startswith("adazeta-run")]
+    assert code == 2 and len(lines) == 1 and "may be truncated or corrupt" in lines[0], err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("files,message", [
+    ({"config.json": "{}"}, "has a config.json but no weights"),
+    ({"config.json": "{not json", "model.safetensors": ""}, "config.json is not valid JSON"),
+])
+def test_a_model_folder_without_weights_fails_before_loading(files, message, fixture_data, tmp_path, monkeypatch,
+                                                            capsys):
+    folder = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    folder.mkdir(parents=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    args = [*tiny_overrides(fixture_data), "model=smollm2-135m", f"model.model_dir={tmp_path / 'models'}",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    code, err = run_cli(monkeypatch, capsys, args)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+# --- the run directory -----------------------------------------------------------------------------------------
+
+
+def test_an_unwritable_run_directory_is_one_line(fixture_data, tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file, not a folder")
+    code, err = run_cli(monkeypatch, capsys, [*tiny_overrides(fixture_data), f"hydra.run.dir={blocker / 'run'}"])
+    assert code == 2 and "cannot write the run directory" in err, err

@@ -170,10 +170,11 @@ def test_a_signal_while_the_model_loads_is_recorded_without_a_traceback(fixture_
         return built
 
     monkeypatch.setattr(run_module, "build", build_then_sigint)
+    before = signal.getsignal(signal.SIGINT)
     record = run(cfg(fixture_data, "method=mezo_lora"), tmp_path / "run")
     assert record["status"] == "interrupted" and record["signal"] == "SIGINT"
     assert "outside a training step" in record["reason"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert signal.getsignal(signal.SIGINT) is before  # handlers restored
 
 
 def test_sigterm_to_the_command_ends_with_one_line_and_the_same_command_resumes(fixture_data, tmp_path):

@@ -45,7 +45,7 @@ def _main(cfg: DictConfig) -> float | None:
         # A user's mistake: one line with the fix, no traceback.
         print(f"adazeta-run: error: {err}", file=sys.stderr)
         if sweeping:
-            FAILED.append(f"{_point(hydra_cfg)}: {err}")
+            report_failure(hydra_cfg, f"{_point(hydra_cfg)}: {err}")
             return None  # the other jobs of the sweep still run
         sys.exit(2)
     except OSError as err:
@@ -58,7 +58,8 @@ def _main(cfg: DictConfig) -> float | None:
             raise
         # result.json already says `failed`, with the reason; one failed job must not stop a sweep.
         logging.getLogger("adazeta").exception("job %s failed; the sweep goes on", hydra_cfg.job.num)
-        FAILED.append(f"{_point(hydra_cfg)}: {sys.exc_info()[0].__name__}: {sys.exc_info()[1]} (see {run_dir})")
+        report_failure(hydra_cfg, f"{_point(hydra_cfg)}: {sys.exc_info()[0].__name__}: {sys.exc_info()[1]} "
+                                  f"(see {run_dir})")
         return None
     if record.get("status") == "interrupted":
         # Stopped by SIGTERM / SIGINT: the run is recorded and checkpointed; a sweep stops here too.
@@ -68,11 +69,19 @@ def _main(cfg: DictConfig) -> float | None:
     return record.get("dev_accuracy")  # what a Hydra sweeper would optimise
 
 
-FAILED: list[str] = []  # the sweep points that failed, one line each, for the summary at the end
+FAILURES = "failed_points.txt"  # in a sweep's directory: one line per point that did not run to a result
 
 
 def _point(hydra_cfg: Any) -> str:
     return " ".join(hydra_cfg.overrides.task) or f"job {hydra_cfg.job.num}"
+
+
+def report_failure(hydra_cfg: Any, line: str) -> None:
+    """Append one line to the sweep's report: jobs may run in other processes (joblib, SLURM) than ``main``."""
+    path = Path(hydra_cfg.sweep.dir) / FAILURES
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:  # one short append per line: whole lines, even concurrently
+        f.write(line.replace("\n", " ") + "\n")
 
 
 def main() -> None:
@@ -84,14 +93,18 @@ def main() -> None:
         sys.exit(2)
     for line in checked.dropped:
         print(f"adazeta-run: error: {line} (left out of the sweep; the other values run)", file=sys.stderr)
+    report = checked.sweep_dir / FAILURES if checked.sweep_dir else None
+    if report is not None:
+        report.unlink(missing_ok=True)  # an earlier sweep's report: this sweep writes its own
     sys.argv = [sys.argv[0], *checked.argv]
     _main()
-    failed = [f"{line}" for line in checked.dropped] + FAILED
-    if failed:
-        print(f"adazeta-run: {len(failed)} sweep point(s) did not run to a result:", file=sys.stderr)
-        for line in failed:
+    failed = report.read_text(encoding="utf-8").splitlines() if report is not None and report.is_file() else []
+    if checked.dropped or failed:
+        print(f"adazeta-run: {len(checked.dropped) + len(failed)} sweep point(s) did not run to a result:",
+              file=sys.stderr)
+        for line in checked.dropped + failed:
             print(f"  {line}", file=sys.stderr)
-        sys.exit(2 if not FAILED else 1)
+        sys.exit(1 if failed else 2)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ local model directory is set, ``HF_HUB_OFFLINE`` is switched on for the process.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,8 +105,10 @@ def resolve_source(cfg: ModelConfig) -> ModelSource:
         folder = Path(model_dir).expanduser() / cfg.local_name
         # A local copy is either the GGUF file named in the model config or a save_pretrained folder.
         if cfg.gguf_file and (folder / cfg.gguf_file).is_file():
+            check_gguf(folder / cfg.gguf_file)
             return ModelSource("local", str(folder), cfg.gguf_file)
         if (folder / "config.json").is_file():
+            check_pretrained_folder(folder)
             return ModelSource("local", str(folder))
         wanted = folder / cfg.gguf_file if cfg.gguf_file else folder / "config.json"
         raise ConfigError(
@@ -115,6 +118,42 @@ def resolve_source(cfg: ModelConfig) -> ModelSource:
     if not cfg.hub_id:
         raise ConfigError(f"model {cfg.name!r} has no hub_id; set {MODEL_DIR_ENV} to a folder holding {cfg.local_name}/")
     return ModelSource("hub", cfg.hub_id)
+
+
+GGUF_MAGIC = b"GGUF"
+GGUF_HEADER = 24  # magic, version (uint32), tensor count (uint64), metadata count (uint64)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_gguf(path: Path) -> None:
+    """A GGUF file's header, read without loading anything: a truncated or foreign file fails in one line."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(GGUF_HEADER)
+    except OSError as err:
+        raise ConfigError(f"cannot read the model file {path}: {err.strerror}") from None
+    fix = "download it again, or point model.gguf_file at a complete .gguf file"
+    if len(head) < GGUF_HEADER:
+        raise ConfigError(f"model file {path} holds {len(head)} bytes, too few for a GGUF header; {fix}")
+    if head[:4] != GGUF_MAGIC:
+        raise ConfigError(f"model file {path} is not a GGUF file (it starts with {head[:4]!r}, not b'GGUF'); {fix}")
+    version = int.from_bytes(head[4:8], "little")
+    tensors = int.from_bytes(head[8:16], "little")
+    if version not in (1, 2, 3) or tensors == 0:
+        raise ConfigError(f"model file {path} has a GGUF header with version {version} and {tensors} tensors; {fix}")
+
+
+def check_pretrained_folder(folder: Path) -> None:
+    """A save_pretrained folder: a config.json that parses and weights beside it."""
+    try:
+        json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{folder / 'config.json'} is not valid JSON ({err}); save the model again") from None
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise ConfigError(
+            f"model folder {folder} has a config.json but no weights ({', '.join(WEIGHT_FILES[::2])}); "
+            "save the model with save_pretrained, or copy its weight files there"
+        )
 
 
 # Whole-word tokens of the tiny tokenizer: the label words and candidates of the task specs, so that tiny test
@@ -215,8 +254,17 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> LoadedModel:
             kwargs["gguf_file"] = source.gguf_file
         if cfg.revision and source.kind == "hub":
             kwargs["revision"] = cfg.revision
-        tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
-        model = auto.from_pretrained(source.path, dtype=cfg.torch_dtype, **kwargs)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
+            model = auto.from_pretrained(source.path, dtype=cfg.torch_dtype, **kwargs)
+        except (OSError, ValueError, KeyError, EOFError) as err:
+            if source.kind != "local":
+                raise
+            # A local file that passed the header checks but cannot be read: truncated or corrupt contents.
+            what = Path(source.path) / (source.gguf_file or "")
+            reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+            raise ConfigError(f"cannot load the model from {what} ({type(err).__name__}: {reason}); the file may "
+                              "be truncated or corrupt: copy or download it again") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     model.to(device=device, dtype=cfg.torch_dtype)

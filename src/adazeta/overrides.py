@@ -24,6 +24,7 @@ class Checked:
     argv: list[str]
     errors: list[str] = field(default_factory=list)  # a run cannot start: exit 2
     dropped: list[str] = field(default_factory=list)  # sweep values left out: the sweep runs without them
+    sweep_dir: Path | None = None  # a sweep's directory, where its jobs report the points that failed
 
 
 def _suggest(word: str, known: list[str]) -> str:
@@ -89,6 +90,35 @@ def _keys_at(config_dir: str, base: list[str], path: str) -> list[str] | None:
     return sorted(str(k) for k in node.keys()) if isinstance(node, DictConfig) else None
 
 
+def output_dir(config_dir: str, base: list[str], multirun: bool) -> Path | None:
+    """The run (or sweep) directory the command will write to, resolved now; None if only Hydra can resolve it."""
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+            cfg = compose(config_name="config", overrides=base, return_hydra_config=True)
+            return Path(str(cfg.hydra.sweep.dir if multirun else cfg.hydra.run.dir))
+    except Exception:  # a directory built from run-time values (hydra.job.*)
+        return None
+
+
+def _unwritable_output(target: Path | None, multirun: bool) -> str | None:
+    """One line when the run (or sweep) directory cannot be created: Hydra would fail there with a traceback."""
+    import os
+
+    key = "sweep.dir" if multirun else "run.dir"
+    if target is None:
+        return None
+    existing = next((p for p in [target, *target.parents] if os.path.lexists(p)), None)
+    if existing is None:
+        return None
+    if not existing.is_dir():
+        return f"hydra.{key}={target}: cannot write the run directory: {existing} is a file; choose another hydra.{key}"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"hydra.{key}={target}: cannot write the run directory: {existing} is not writable; choose another hydra.{key}"
+    return None
+
+
 def _compose_error(config_dir: str, overrides: list[str]) -> Exception | None:
     from hydra import compose, initialize_config_dir
 
@@ -130,6 +160,10 @@ def check(argv: list[str], config_dir: str) -> Checked:
             if err is not None:
                 return Checked(list(argv), errors=[explain(err, base[n - 1], config_dir, base[: n - 1])])
         return Checked(list(argv), errors=[explain(error, base[-1], config_dir, base[:-1])])
+    target = output_dir(config_dir, base, multirun)
+    problem = _unwritable_output(target, multirun)
+    if problem:
+        return Checked(list(argv), errors=[problem])
     new_argv, dropped = list(argv), []
     for sweep, position in zip(sweeps, [where[overrides.index(s.input_line)] for s in sweeps]):
         key = sweep.get_key_element()
@@ -144,4 +178,7 @@ def check(argv: list[str], config_dir: str) -> Checked:
         if not good:
             return Checked(list(argv), errors=dropped)
         new_argv[position] = f"{key}={','.join(good)}"
-    return Checked(new_argv, dropped=dropped)
+    if multirun and target is not None:
+        # Resolved once, here, so that the jobs and the summary at the end agree on it (``${now:...}`` moves on).
+        new_argv = [a for a in new_argv if not a.startswith("hydra.sweep.dir=")] + [f"hydra.sweep.dir={target}"]
+    return Checked(new_argv, dropped=dropped, sweep_dir=target if multirun else None)

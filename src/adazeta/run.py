@@ -30,13 +30,13 @@ from adazeta.models import LoadedModel, ModelConfig, count_parameters, load_mode
 from adazeta.optim import OPTIMIZERS
 from adazeta.optim.zo_sgd import ZOSGDConfig
 from adazeta.probe import ProbeConfig, linear_probe
-from adazeta.registry import make_config, show
+from adazeta.registry import check_type, make_config, show
 from adazeta.results import device_info, git_state, package_versions, read_result, write_result
 from adazeta.rundir import Interrupted, StopSignals, atomic_write_text, claim, config_differences
 from adazeta.optim.batched import replica_sites
 from adazeta.schedules import SCHEDULES, Schedule, budget_steps, mean_queries
 from adazeta.scoring import Encoded, batches, encode, packing_supported
-from adazeta.tasks.loaders import DataConfig, TaskData, check_data, load_task
+from adazeta.tasks.loaders import DataConfig, TaskData, check_data, load_task, validate_local_rows
 from adazeta.tasks.objectives import build_objective
 from adazeta.tasks.spec import TaskSpec
 from adazeta.tracking import DivergenceConfig, DivergenceMonitor, Tracker, WandbConfig, peak_memory_mb, reset_peak_memory
@@ -101,13 +101,15 @@ def parse(cfg: DictConfig) -> Settings:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         # numpy's global seed is 32 bits; every other generator derives from this one.
         raise ConfigError(f"seed={show(seed)} must be an integer in [0, 2**32 - 1]")
+    for key, hint in (("dry_run", bool), ("force", bool), ("experiment_name", str | None)):
+        check_type(raw.get(key), hint, key)
     method = raw["method"]
     schedule = dict(raw["schedule"])
     schedule_name = schedule.pop("name")
     settings = Settings(
         seed=seed,
-        dry_run=bool(raw.get("dry_run", False)),
-        force=bool(raw.get("force", False)),
+        dry_run=raw.get("dry_run", False),
+        force=raw.get("force", False),
         method=method["name"],
         model=make_config(ModelConfig, raw["model"], where="model"),
         task=make_config(TaskSpec, raw["task"], where="task"),
@@ -179,6 +181,7 @@ def preflight(s: Settings) -> None:
     use = train_use(s)
     needed_by = None if use is None else f"method {s.method!r} needs the train split {use}"
     check_data(s.task, s.data, s.model.family, needed_by)
+    validate_local_rows(s.task, s.data, s.model.family, use is not None)
     if s.optimizer is None and s.adapter.kind != "none":
         raise ConfigError(f"method {s.method!r} trains an adapter but has no optimizer; set method.optimizer")
     if s.adapter.kind == "full" and s.optimizer and getattr(s.optimizer.config, "batched_queries", False):

@@ -31,8 +31,12 @@ from adazeta.errors import ConfigError
 LOCK_NAME = ".lock"
 # Keys that say where files live or how a run is logged, not what it computes: they may differ between two
 # commands for the same run. ``train.eval_batch_size`` and ``train.checkpoint_every`` never change a number.
-NON_RESULT_KEYS = ("force", "dry_run", "data.dir", "model.model_dir", "train.eval_batch_size", "train.checkpoint_every")
+# ``task.version`` neither: the prompt format of the run's family is compared itself (see OTHER_FAMILY).
+NON_RESULT_KEYS = ("force", "dry_run", "data.dir", "model.model_dir", "train.eval_batch_size", "train.checkpoint_every",
+                   "task.version")
 NON_RESULT_PREFIXES = ("wandb.", "hydra.")
+# A task's settings for the other model family: a causal run never reads its masked template, and vice versa.
+OTHER_FAMILY = {"causal": ("task.masked.", "task.masked_data."), "masked": ("task.causal.", "task.hub.", "task.local.")}
 HEADLINE_KEYS = ("method.name", "task.name", "model.name", "seed")
 
 
@@ -47,9 +51,11 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def result_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """The flattened config minus paths and logging settings: what decides a run's numbers."""
+    """The flattened config minus paths, logging settings and the other family's prompt format: what decides a
+    run's numbers."""
     flat = _flatten(config)
-    return {k: v for k, v in flat.items() if k not in NON_RESULT_KEYS and not k.startswith(NON_RESULT_PREFIXES)}
+    skip = NON_RESULT_PREFIXES + OTHER_FAMILY.get(flat.get("model.family", "causal"), ())
+    return {k: v for k, v in flat.items() if k not in NON_RESULT_KEYS and not k.startswith(skip)}
 
 
 def config_differences(recorded: dict[str, Any], new: dict[str, Any]) -> list[str]:

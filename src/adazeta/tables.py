@@ -23,6 +23,7 @@ from typing import Any, Iterable
 import pandas as pd
 
 from adazeta.errors import ConfigError
+from adazeta.rundir import OTHER_FAMILY
 
 # Keys that say which run it is (seeds) or where things live, not which hyper-parameters were used.
 SEED_KEYS = {"seed", "data.seed", "data.kshot_seed"}
@@ -31,8 +32,7 @@ SEED_KEYS = {"seed", "data.seed", "data.kshot_seed"}
 IGNORED_KEYS = {"force", "dry_run", "experiment_name", "data.dir", "model.model_dir", "train.eval_batch_size",
                 "train.checkpoint_every", "task.version"}
 IGNORED_PREFIXES = ("wandb.", "hydra.")
-# A task's settings for the other model family: a causal run never reads its masked template, and vice versa.
-OTHER_FAMILY = {"causal": ("task.masked.", "task.masked_data."), "masked": ("task.causal.", "task.hub.", "task.local.")}
+
 GROUP = ["experiment", "model", "task", "method"]
 MISSING = "—"
 

@@ -230,10 +230,26 @@ def read_tsv(path: Path, required: Sequence[str]) -> list[dict[str, Any]]:
 
 
 def read_local(path: Path, local: LocalSource, required: Sequence[str]) -> list[dict[str, Any]]:
-    if local.format == "jsonl":
-        return read_jsonl(path, required, local.flatten, local.rename)
-    delimiter = "\t" if local.format == "tsv" else ","
-    return read_table(path, required, delimiter, local.columns, local.ragged, local.rename)
+    try:
+        if local.format == "jsonl":
+            return read_jsonl(path, required, local.flatten, local.rename)
+        delimiter = "\t" if local.format == "tsv" else ","
+        return read_table(path, required, delimiter, local.columns, local.ragged, local.rename)
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}:{_bad_utf8_line(path)}: not UTF-8 ({err.reason}); save the file as UTF-8") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read {path}: {err.strerror}; check the file and its permissions") from None
+
+
+def _bad_utf8_line(path: Path) -> int:
+    """The number of the first line of ``path`` that is not valid UTF-8."""
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return lineno
+    return 1
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -273,6 +289,18 @@ class Rows:
 
     def _where(self, row: dict[str, Any], i: int) -> str:
         return row.get("_where") or f"{self.where} row {i}"
+
+    def check(self) -> None:
+        """Every local row has a value for each text field and a known label; else one line naming the row.
+
+        An empty string is a value (LM-BFF's CR split and MultiRC hold a few); a JSON null is not.
+        """
+        for i, row in enumerate(self._rows or []):
+            for name in self.spec.text_fields:
+                if row.get(name) is None:
+                    raise ConfigError(f"{self._where(row, i)}: field {name!r} is null; give it a value or remove the row")
+        if self.spec.label_field is not None:
+            self.labels()  # names the first row whose label is not one of the task's
 
     def labels(self) -> list[int]:
         """The label index of every row (k-shot sampling needs them all)."""
@@ -350,6 +378,33 @@ def split_rows(spec: TaskSpec, family: str, split: str, data: DataConfig) -> Row
         raise ValueError("Hub sources have no fixed dev split; dev is sampled from train")
     hint = f", or set {DATA_DIR_ENV} to a folder with local copies" if local is not None else ""
     return hub_rows(spec, hub, hub.train_split if split == "train" else hub.eval_split, hint)
+
+
+def validate_local_rows(spec: TaskSpec, data: DataConfig, family: str, with_train: bool) -> int:
+    """Read and check every row of the local splits a run will use, before any model loads; return the count.
+
+    Each row must decode as UTF-8, parse, hold every text field and a known label; the first row
+    that does not is named as ``path:line``. Every row is checked, not only those a seed samples, so a bad file
+    fails the same way whatever the seed. Splits served by the Hub are checked as they load.
+    """
+    _, local = spec.sources(family)
+    if not data.data_dir or local is None:
+        return 0
+    splits = ["eval"]
+    if with_train or split_available(spec, family, "train", data):
+        splits.insert(0, "train")
+        if family == "masked" and local.kshot:
+            splits.insert(1, "dev")
+    total = 0
+    for split in splits:
+        rows = split_rows(spec, family, split, data)
+        if len(rows) == 0:
+            files = ", ".join(str(p) for p in local_files(spec, data.data_dir, family, data.k, data.kshot_seed,
+                                                          (split,))[split])
+            raise ConfigError(f"{files}: no rows in the {split} split; the file is empty or holds only a header")
+        rows.check()
+        total += len(rows)
+    return total
 
 
 def load_rows(
