@@ -256,3 +256,16 @@ def test_wandb_mode_auto_follows_the_environment(tmp_path, monkeypatch):
     tracker = Tracker(tmp_path, WandbConfig(mode="auto"), "t", {}, [])
     assert tracker.wandb_mode == "disabled" and tracker.wandb is None
     tracker.close()
+
+
+def test_no_secret_is_written(fixture_data, tmp_path, monkeypatch):
+    """A wandb key in the environment never reaches the run's files (config, record, logs, wandb's own)."""
+    key = "0123456789abcdef0123456789abcdef01234567"  # 40 hex characters, like a real key; not one
+    monkeypatch.setenv("WANDB_API_KEY", key)
+    run_dir = tmp_path / "run"
+    record = run(compose_cfg(tiny_overrides(fixture_data, "method=mezo_lora", "wandb.mode=offline")), run_dir)
+    assert record["status"] == "finished" and (run_dir / "wandb").is_dir()
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert len(written) > 5
+    for path in written:
+        assert key.encode() not in path.read_bytes(), path

@@ -366,6 +366,7 @@ def execute(s: Settings, run_dir: Path, resume: dict[str, Any] | None = None) ->
     diverged run removes its checkpoint. ``result.json`` is written in every case, atomically.
     """
     started = time.time()
+    code = git_state()  # the code that runs, read before it runs (the tree may change during a long run)
     seed_everything(s.seed)
     record: dict[str, Any] = {
         "method": s.method,
@@ -394,7 +395,7 @@ def execute(s: Settings, run_dir: Path, resume: dict[str, Any] | None = None) ->
     finally:
         record.update(
             wall_time_s=round(time.time() - started, 2),
-            git=git_state(),
+            git=code,
             packages=package_versions(),
             config=s.raw,
         )
