@@ -38,6 +38,10 @@ def _main(cfg: DictConfig) -> float | None:
 
     hydra_cfg = HydraConfig.get()
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    if sweeping:  # many runs share one console: log lines, not bars
+        from adazeta.tracking import PLAIN_PROGRESS_ENV
+
+        os.environ[PLAIN_PROGRESS_ENV] = "1"
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
         record = run(cfg, run_dir, list(hydra_cfg.overrides.task))

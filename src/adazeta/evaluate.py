@@ -36,16 +36,23 @@ def evaluate(
     family: str,
     objective: str = "classification",
     generation: "GenerationSet | None" = None,
+    desc: str | None = None,
 ) -> EvalResult:
     """Mean loss (the task's objective) and accuracy over pre-collated batches (already on the model's device).
 
     With ``generation`` (SQuAD, DROP) the accuracy is the F1 of greedy generations, and F1 / EM go to ``metrics``.
+    ``desc``: name of a progress bar over the batches, shown on a terminal (``tracking.show_progress``).
     """
+    from tqdm.auto import tqdm
+
+    from adazeta.tracking import show_progress
+
     was_training = model.training
     model.eval()
     loss_sum = correct = tied = multi = None
     n = 0
-    for batch in batches:
+    shown = desc is not None and show_progress() and len(batches) > 1
+    for batch in tqdm(batches, desc=desc, leave=False, dynamic_ncols=True, disable=not shown):
         scores = candidate_scores(model, batch, family)
         loss = objective_loss(scores, batch.gold, objective, reduction="sum")
         hits = (scores.argmax(dim=1) == batch.gold).sum()

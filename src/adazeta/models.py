@@ -229,15 +229,9 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> LoadedModel:
     """Load model and tokenizer from the resolved source, frozen, in eval mode, on the chosen device."""
     from transformers import AutoTokenizer
 
-    from adazeta.tracking import show_progress
-
     source = resolve_source(cfg)
     device = resolve_device(cfg.device)
     auto = _auto_class(cfg.family)
-    if not show_progress():  # no loading bars in logs and CI
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
     if source.kind == "random":
         tokenizer = byte_tokenizer()
         config = architecture_config(cfg, vocab_size=len(tokenizer))

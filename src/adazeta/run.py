@@ -39,7 +39,15 @@ from adazeta.scoring import Encoded, batches, encode, packing_supported
 from adazeta.tasks.loaders import DataConfig, TaskData, check_data, load_task, validate_local_rows
 from adazeta.tasks.objectives import build_objective
 from adazeta.tasks.spec import TaskSpec
-from adazeta.tracking import DivergenceConfig, DivergenceMonitor, Tracker, WandbConfig, peak_memory_mb, reset_peak_memory
+from adazeta.tracking import (
+    DivergenceConfig,
+    DivergenceMonitor,
+    Tracker,
+    WandbConfig,
+    peak_memory_mb,
+    quiet_third_party,
+    reset_peak_memory,
+)
 from adazeta.train import Checkpoints, TrainConfig, steps_per_epoch, train
 
 log = logging.getLogger("adazeta")
@@ -63,6 +71,7 @@ class Settings:
     seed: int
     dry_run: bool
     force: bool  # rerun even when the run directory already holds a finished result
+    verbose: bool  # third-party progress bars and logs too
     method: str
     model: ModelConfig
     task: TaskSpec
@@ -101,7 +110,7 @@ def parse(cfg: DictConfig) -> Settings:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         # numpy's global seed is 32 bits; every other generator derives from this one.
         raise ConfigError(f"seed={show(seed)} must be an integer in [0, 2**32 - 1]")
-    for key, hint in (("dry_run", bool), ("force", bool), ("experiment_name", str | None)):
+    for key, hint in (("dry_run", bool), ("force", bool), ("verbose", bool), ("experiment_name", str | None)):
         check_type(raw.get(key), hint, key)
     method = raw["method"]
     schedule = dict(raw["schedule"])
@@ -110,6 +119,7 @@ def parse(cfg: DictConfig) -> Settings:
         seed=seed,
         dry_run=raw.get("dry_run", False),
         force=raw.get("force", False),
+        verbose=raw.get("verbose", False),
         method=method["name"],
         model=make_config(ModelConfig, raw["model"], where="model"),
         task=make_config(TaskSpec, raw["task"], where="task"),
@@ -223,6 +233,7 @@ class Built:
 
 def build(s: Settings) -> Built:
     """Model + adapter -> task data -> optimizer + query schedule, as every run wires them."""
+    quiet_third_party(s.verbose)
     loaded = load_model(s.model, seed=s.seed)
     if s.model.dtype != "fp32" and s.adapter.kind == "full" and s.optimizer and s.optimizer.kind == "zo_sgd":
         log.warning("ZO perturbations of %s weights lose precision (SPEC §8); prefer model.dtype=fp32", s.model.dtype)

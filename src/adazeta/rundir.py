@@ -32,8 +32,8 @@ LOCK_NAME = ".lock"
 # Keys that say where files live or how a run is logged, not what it computes: they may differ between two
 # commands for the same run. ``train.eval_batch_size`` and ``train.checkpoint_every`` never change a number.
 # ``task.version`` neither: the prompt format of the run's family is compared itself (see OTHER_FAMILY).
-NON_RESULT_KEYS = ("force", "dry_run", "data.dir", "model.model_dir", "train.eval_batch_size", "train.checkpoint_every",
-                   "task.version")
+NON_RESULT_KEYS = ("force", "dry_run", "verbose", "data.dir", "model.model_dir", "train.eval_batch_size",
+                   "train.checkpoint_every", "task.version")
 NON_RESULT_PREFIXES = ("wandb.", "hydra.")
 # A task's settings for the other model family: a causal run never reads its masked template, and vice versa.
 OTHER_FAMILY = {"causal": ("task.masked.", "task.masked_data."), "masked": ("task.causal.", "task.hub.", "task.local.")}

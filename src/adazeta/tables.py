@@ -30,7 +30,7 @@ SEED_KEYS = {"seed", "data.seed", "data.kshot_seed"}
 # ``task.version`` too: the prompt format the run used is compared itself (``task.causal.*`` or ``task.masked.*``),
 # which a version bump for the other family does not change. ``train.checkpoint_every`` never changes a number.
 IGNORED_KEYS = {"force", "dry_run", "experiment_name", "data.dir", "model.model_dir", "train.eval_batch_size",
-                "train.checkpoint_every", "task.version"}
+                "train.checkpoint_every", "task.version", "verbose"}
 IGNORED_PREFIXES = ("wandb.", "hydra.")
 
 GROUP = ["experiment", "model", "task", "method"]

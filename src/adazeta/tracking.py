@@ -6,10 +6,12 @@ Also the two run-health instruments: peak memory and divergence detection.
 from __future__ import annotations
 
 import csv
+import logging
 import math
 import os
 import resource
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ import torch
 
 from adazeta.errors import ConfigError
 from adazeta.rundir import atomic_write_text
+
+log = logging.getLogger("adazeta")
 
 # param_norm: L2 norm of the trainable set after the step. Under ZO-SGD it climbs as a random walk (each step
 # adds lr * g * z, ||z|| ~ sqrt(d)); its growth is the early sign of the drift that ends in a collapse.
@@ -138,9 +142,75 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+PLAIN_PROGRESS_ENV = "ADAZETA_PLAIN_PROGRESS"  # set by the CLI in a sweep: log lines, not bars
+
+
 def show_progress() -> bool:
-    """A progress bar on a terminal; none under CI or when output is piped."""
-    return sys.stderr.isatty() and not os.environ.get("CI")
+    """Bars on a terminal; plain log lines under CI, in a sweep, or when stderr is a file or a pipe."""
+    return sys.stderr.isatty() and not os.environ.get("CI") and not os.environ.get(PLAIN_PROGRESS_ENV)
+
+
+def quiet_third_party(verbose: bool) -> None:
+    """Progress bars and chatter of transformers (GGUF conversion, downloads) and datasets: on only if verbose."""
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    if verbose:
+        hf_logging.enable_progress_bar()
+        datasets.enable_progress_bars()
+    else:
+        hf_logging.disable_progress_bar()
+        datasets.disable_progress_bars()
+        hf_logging.set_verbosity_error()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+class Progress:
+    """The training loop's progress: step, loss, Q, forward passes, dev accuracy at the last evaluation, ETA.
+
+    A tqdm bar on a terminal; otherwise one log line every ``every_s`` seconds (and at the last step), so that
+    a log file or a sweep's output shows the run moving without a bar's carriage returns.
+    """
+
+    def __init__(self, total: int, initial: int = 0, every_s: float = 30.0, desc: str = "train"):
+        from tqdm.auto import tqdm
+
+        self.total, self.initial, self.every_s = total, initial, every_s
+        self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True) if show_progress() else None
+        self.dev: tuple[int, float] | None = None
+        self.started = self.last_line = time.monotonic()
+
+    def evaluated(self, step: int, accuracy: float) -> None:
+        self.dev = (step, accuracy)
+
+    def fields(self, step: int, loss: float, n_queries: int, forward_passes: int) -> dict[str, str]:
+        done = step - self.initial
+        eta = (time.monotonic() - self.started) / done * (self.total - step) if done > 0 else float("nan")
+        out = {"loss": f"{loss:.4f}", "Q": str(n_queries), "fwd": str(forward_passes)}
+        if self.dev is not None:
+            out["dev_acc"] = f"{self.dev[1]:.3f}@{self.dev[0]}"
+        out["eta"] = _duration(eta) if eta == eta else "?"
+        return out
+
+    def step(self, step: int, loss: float, n_queries: int, forward_passes: int) -> None:
+        values = self.fields(step, loss, n_queries, forward_passes)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix({k: v for k, v in values.items() if k != "eta"}, refresh=False)
+            return
+        now = time.monotonic()
+        if now - self.last_line >= self.every_s or step == self.total:
+            self.last_line = now
+            log.info("step %d/%d  %s", step, self.total, "  ".join(f"{k} {v}" for k, v in values.items()))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def wandb_has_credentials() -> bool:

@@ -16,14 +16,13 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from adazeta.errors import ConfigError
 from adazeta.evaluate import EvalResult, evaluate
 from adazeta.optim.batched import ReplicaClosure
 from adazeta.scoring import Batch, Encoded, batch_loss, collate, replica_losses
 from adazeta.tasks.objectives import Objective, gold_only
-from adazeta.tracking import DivergenceMonitor, Tracker, peak_memory_mb, show_progress, sync
+from adazeta.tracking import DivergenceMonitor, Progress, Tracker, peak_memory_mb, sync
 
 
 @dataclass
@@ -157,7 +156,7 @@ def train(
         )
 
     def dev_eval(step: int) -> EvalResult:
-        result = evaluate(model, dev_batches, family, obj.kind, obj.dev_generation)
+        result = evaluate(model, dev_batches, family, obj.kind, obj.dev_generation, desc=f"dev@{step}")
         if result.n:  # a training-free run without a train split has no dev set
             tracker.log_eval(step, "dev", result.loss, result.accuracy, result.tied)
         return result
@@ -167,7 +166,7 @@ def train(
         initial = best = dev_eval(0)
         reason = monitor.update(initial.loss, initial.tied) if initial.n else None
         if reason is not None:  # e.g. an adapter init that already overflows: nothing to train from
-            test = evaluate(model, test_batches, family, obj.kind, obj.test_generation)
+            test = evaluate(model, test_batches, family, obj.kind, obj.test_generation, desc="test")
             tracker.log_eval(0, "test", test.loss, test.accuracy, test.tied)
             return Outcome("diverged", reason, 0, 0, initial, initial, test, 0)
         best_step, best_state = 0, (trainable_state(model) if cfg.keep_best and optimizer else None)
@@ -202,8 +201,9 @@ def train(
                 "best_state": best_state, "monitor": monitor.state_dict(),
             })
 
-        bar = tqdm(total=cfg.max_steps, initial=first_step - 1, disable=not show_progress(), desc="train",
-                   dynamic_ncols=True)
+        progress = Progress(cfg.max_steps, initial=first_step - 1)
+        if resume is not None:
+            progress.evaluated(best_step, best.accuracy)
         for step in range(first_step, cfg.max_steps + 1):
             epoch, slot = divmod(step - 1, per_epoch)
             if slot == 0 and step > 1:
@@ -246,8 +246,7 @@ def train(
                     "param_norm": round(norm, 6),
                 }
             )
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.4f}", q=n_queries)
+            progress.step(step, loss_value, n_queries, forward_passes)
             reason = monitor.non_finite(loss_value)
             out_of_budget = cfg.max_forward_passes is not None and forward_passes >= cfg.max_forward_passes
             if cfg.eval_every_forwards is None:
@@ -257,6 +256,7 @@ def train(
             if reason is None and (due or step == cfg.max_steps or out_of_budget):
                 last_eval_forwards = forward_passes
                 result = dev_eval(step)
+                progress.evaluated(step, result.accuracy)
                 # A collapsed model's loss (exactly ln #candidates) can be below a high start: never keep it.
                 if result.loss < best.loss and not monitor.collapsed(result.tied):
                     best, best_step = result, step
@@ -270,18 +270,18 @@ def train(
             signal_name = ckpt.stop()
             if signal_name is not None:
                 save(step)
-                bar.close()
+                progress.close()
                 return Outcome("interrupted", f"{signal_name} at step {step}", step, best_step, initial, best, None,
                                forward_passes)
             if cfg.checkpoint_every is not None and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
                 save(step)
-        bar.close()
+        progress.close()
         if cfg.keep_best and best_state is not None:
             load_trainable_state_(model, best_state)
         elif not cfg.keep_best:
             best_step = step
 
-    test = evaluate(model, test_batches, family, obj.kind, obj.test_generation)
+    test = evaluate(model, test_batches, family, obj.kind, obj.test_generation, desc="test")
     tracker.log_eval(best_step, "test", test.loss, test.accuracy, test.tied)
     return Outcome(status, reason, step, best_step, initial, best, test, forward_passes)
 
