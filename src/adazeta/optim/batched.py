@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from adazeta.errors import ConfigError
-from adazeta.optim.spsa import Masks, _masks_for, _Noise, projected_gradient
+from adazeta.optim.spsa import DirectionCache, Masks, directions, noise_layout, projected_gradient
 
 ReplicaRule = Callable[[nn.Module, Tensor, Mapping[str, Tensor]], Tensor]
 
@@ -175,24 +175,36 @@ def replica_plan(seeds: Sequence[int], eps: float, estimator: str) -> list[tuple
 
 @torch.no_grad()
 def replica_weights(
-    params: Sequence[Tensor], plan: Sequence[tuple[int | None, tuple[float, ...]]], masks: Masks = None
+    params: Sequence[Tensor],
+    plan: Sequence[tuple[int | None, tuple[float, ...]]],
+    masks: Masks = None,
+    cache: DirectionCache | None = None,
+    noise: str = "per_tensor",
 ) -> list[Tensor]:
-    """One (R, *shape) stack per parameter: row r is the parameter perturbed as ``plan[r]`` says."""
+    """One (R, *shape) stack per parameter: row r is the parameter perturbed as ``plan[r]`` says.
+
+    z is drawn as ``perturb_`` draws it from the seed (the same z as the sequential path), or taken from
+    ``cache``, whose stream then decides ``noise``.
+    """
     replicas = len(plan)
-    stacks = [p.detach().unsqueeze(0).repeat(replicas, *([1] * p.dim())) for p in params]
+    stacks = [p.detach().reshape(1, -1).repeat(replicas, 1) for p in params]  # (R, numel): z is flat
     rows_of: dict[int, list[int]] = {}
     for r, (seed, steps) in enumerate(plan):
         if seed is not None and steps:
             rows_of.setdefault(seed, []).append(r)
+    if cache is not None:
+        noise = cache.layout.stream
+    layout = cache.layout if cache is not None else noise_layout(params, noise)
     for seed, rows in rows_of.items():
-        noise = _Noise(seed)  # one draw per parameter, in perturb_'s order: the same z as the sequential path
-        for stack, p, m in zip(stacks, params, _masks_for(params, masks)):
-            z = noise.draw(p, m)
-            for r in rows:
-                for scale in plan[r][1]:
-                    stack[r].add_(z, alpha=scale)
-            del z
-    return stacks
+        z = cache.get(seed) if cache is not None else None
+        if z is None:
+            z = [d.reshape(-1) for d in directions(params, seed, masks, noise, layout)]
+        for r in rows:
+            row = [stack[r] for stack in stacks]
+            for scale in plan[r][1]:  # the sequential path's additions, in its order: the same rounding
+                torch._foreach_add_(row, z, alpha=scale)
+        del z
+    return [stack.view(replicas, *p.shape) for stack, p in zip(stacks, params)]
 
 
 def estimate_batched(
@@ -203,6 +215,7 @@ def estimate_batched(
     estimator: str,
     chunk: int,
     masks: Masks = None,
+    cache: DirectionCache | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(all losses evaluated, projected gradient per query), as ``ZOSGD._estimate`` returns them.
 
@@ -212,7 +225,7 @@ def estimate_batched(
     parts = []
     for start in range(0, len(plan), chunk):
         part = plan[start : start + chunk]
-        parts.append(closure.replicated(params, replica_weights(params, part, masks)).detach())
+        parts.append(closure.replicated(params, replica_weights(params, part, masks, cache)).detach())
     losses = torch.cat(parts)
     losses = losses.to(torch.promote_types(losses.dtype, torch.float32))
     if estimator == "central":

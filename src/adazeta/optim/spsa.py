@@ -3,13 +3,18 @@
     g = (1/Q) * sum_q [L(w + eps z_q) - L(w - eps z_q)] / (2 eps) * z_q,     z_q ~ N(0, I)
     w <- w - lr * (g + weight_decay * w)
 
-z is never stored: each query keeps a seed and a scalar (its projected gradient), and z_q is regenerated from
-the seed, parameter by parameter in a fixed order, whenever it is needed. The noise comes from local
-``torch.Generator``s so that it never touches (or is touched by) the global RNG, dropout or data order.
+z is never stored across steps: each query keeps a seed and a scalar (its projected gradient), and z_q is
+regenerated from the seed, in a fixed order, whenever it is needed; within a step, a small trainable set (adapters)
+keeps each z_q from its first draw to the update (``DirectionCache``). The noise comes from local
+``torch.Generator``s so that it never touches (or is touched by) the global RNG, dropout or data order, and is
+drawn and applied a chunk of parameters at a time with multi-tensor (``torch._foreach_*``) ops. How a seed
+becomes z is the noise stream (``NOISE_STREAMS``): ``per_tensor`` (one generator call per parameter, the
+default and the stream of earlier releases) or ``flat`` (one call per 4 M entries of each device and dtype).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -55,23 +60,6 @@ class _Streams:
         return gen
 
 
-class _Noise:
-    """Draws z ~ N(0, I) for a fixed sequence of parameters from one seed, one generator per device."""
-
-    def __init__(self, seed: int):
-        self.seed = seed
-        self._streams = _Streams(seed)
-
-    def draw(self, p: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """A fresh z shaped like p (zero outside ``mask``): the one parameter-sized temporary."""
-        gen = self._streams.on(p.device)
-        # Draw the full tensor even under a mask, so z is the same whatever the mask and the stream stays aligned.
-        z = torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype)
-        if mask is not None:
-            z.mul_(mask)
-        return z
-
-
 class RandomMask:
     """Per-parameter masks that are never stored: each is redrawn from ``seed`` whenever a pass needs it.
 
@@ -94,33 +82,244 @@ class RandomMask:
 # Which entries each parameter may move: None (all), one tensor (or None) per parameter, or a RandomMask.
 Masks = Sequence[torch.Tensor | None] | RandomMask | None
 
+# How z is drawn from a seed (``method.optimizer.noise``). A run's directions depend on it, so it is versioned:
+#   per_tensor: one generator call per parameter, in the parameters' order: the stream of every earlier release
+#               and the default, so the same seeds give the same directions bit for bit;
+#   flat:       the parameters of each (device, dtype), concatenated in order, drawn ``FLAT_BLOCK`` entries per
+#               call: hundreds of small adapter tensors take one call. Same distribution, other numbers.
+NOISE_STREAMS = ("per_tensor", "flat")
+FLAT_BLOCK = 1 << 22  # entries per generator call of the flat stream: part of its definition (16 MiB in fp32)
+# A pass draws and applies the noise of at most this many bytes of parameters at a time, with one multi-tensor
+# (foreach) op per chunk: the pass's only temporary. A larger parameter is a chunk of its own, as it always was.
+CHUNK_BYTES = 16 * 2**20
 
-def _masks_for(params: Sequence[torch.Tensor], masks: Masks) -> Iterable[torch.Tensor | None]:
-    """One mask (or None) per parameter, in order; a ``RandomMask`` is redrawn lazily, one tensor at a time."""
-    if masks is None:
-        return [None] * len(params)
-    if isinstance(masks, RandomMask):
-        return masks.for_params(params)
-    if len(masks) != len(params):
-        raise ValueError(f"got {len(masks)} masks for {len(params)} parameters")
-    return masks
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """One generator call: ``numel`` entries on ``device`` in ``dtype``, cut into pieces of parameters."""
+
+    device: torch.device
+    dtype: torch.dtype
+    numel: int
+    pieces: tuple[tuple[int, int, int], ...]  # (parameter index, first flat entry in it, entries), in draw order
+
+
+def _per_tensor_blocks(params: Sequence[torch.Tensor]) -> list[_Block]:
+    # randn(numel) fills the same numbers as randn(shape): a parameter's z is its flat draw, reshaped.
+    return [_Block(p.device, p.dtype, p.numel(), ((i, 0, p.numel()),)) for i, p in enumerate(params)]
+
+
+def _flat_blocks(params: Sequence[torch.Tensor]) -> list[_Block]:
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.device, p.dtype), []).append(i)
+    blocks: list[_Block] = []
+    for (device, dtype), members in groups.items():
+        pieces: list[tuple[int, int, int]] = []
+        fill = 0
+        for i in members:
+            start, n = 0, params[i].numel()
+            while start < n:
+                take = min(n - start, FLAT_BLOCK - fill)
+                pieces.append((i, start, take))
+                start, fill = start + take, fill + take
+                if fill == FLAT_BLOCK:
+                    blocks.append(_Block(device, dtype, fill, tuple(pieces)))
+                    pieces, fill = [], 0
+        if pieces:
+            blocks.append(_Block(device, dtype, fill, tuple(pieces)))
+    return blocks
+
+
+class NoiseLayout:
+    """Which generator call draws which entries of which parameter, for one noise stream and parameter list.
+
+    It holds flat views of the parameters, so it is built once for a parameter list and reused by every pass
+    (an optimizer keeps it; the functions below build one when they are not given it).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], stream: str = "per_tensor"):
+        if stream not in NOISE_STREAMS:
+            raise ValueError(f"noise={stream!r}; known streams: {', '.join(NOISE_STREAMS)}")
+        self.stream = stream
+        self.params = list(params)
+        self.flat = [p.reshape(-1) for p in self.params]
+        if any(f.data_ptr() != p.data_ptr() for f, p in zip(self.flat, self.params)):
+            raise ValueError("ZO noise needs contiguous parameters, to move them through flat views")
+        self.blocks = _per_tensor_blocks(self.params) if stream == "per_tensor" else _flat_blocks(self.params)
+        self.numel = sum(p.numel() for p in self.params)
+        self.nbytes = sum(p.numel() * p.element_size() for p in self.params)
+        devices = {p.device for p in self.params}
+        self.device = devices.pop() if len(devices) == 1 else None  # the only device, or None
+        self._chunks: tuple[int, list[list[_Block]]] | None = None
+
+    def matches(self, params: Sequence[torch.Tensor], stream: str) -> bool:
+        return (stream == self.stream and len(params) == len(self.params)
+                and all(a is b for a, b in zip(params, self.params)))
+
+    def chunks(self) -> list[list[_Block]]:
+        """Consecutive blocks of one device and dtype, at most ``CHUNK_BYTES`` together (or one larger block)."""
+        if self._chunks is None or self._chunks[0] != CHUNK_BYTES:
+            chunks: list[list[_Block]] = []
+            size = 0
+            for block in self.blocks:
+                nbytes = block.numel * block.dtype.itemsize
+                last = chunks[-1][0] if chunks else None
+                if last is None or size + nbytes > CHUNK_BYTES or (block.device, block.dtype) != (last.device,
+                                                                                                    last.dtype):
+                    chunks.append([])
+                    size = 0
+                chunks[-1].append(block)
+                size += nbytes
+            self._chunks = (CHUNK_BYTES, chunks)
+        return self._chunks[1]
+
+
+def noise_layout(
+    params: Sequence[torch.Tensor], noise: str = "per_tensor", layout: NoiseLayout | None = None
+) -> NoiseLayout:
+    """``layout`` when it was built for these parameters (by identity) and this stream, else a new one."""
+    if layout is not None and layout.matches(params, noise):
+        return layout
+    return NoiseLayout(params, noise)
+
+
+class _MaskPieces:
+    """The mask entries of each piece: a view of a stored mask, or of a random mask drawn when first needed."""
+
+    def __init__(self, layout: NoiseLayout, masks: Masks):
+        self._random: Iterator[torch.Tensor] | None = None
+        self._stored: Sequence[torch.Tensor | None] | None = None
+        if isinstance(masks, RandomMask):
+            self._random = masks.for_params(layout.params)
+            self._drawn: list[torch.Tensor | None] = []
+        elif masks is not None:
+            if len(masks) != len(layout.params):
+                raise ValueError(f"got {len(masks)} masks for {len(layout.params)} parameters")
+            self._stored = masks
+
+    @property
+    def any(self) -> bool:
+        return self._random is not None or (self._stored is not None and any(m is not None for m in self._stored))
+
+    def of(self, i: int, start: int, n: int) -> torch.Tensor | None:
+        if self._random is not None:
+            while len(self._drawn) <= i:  # RandomMask draws in the parameters' order
+                self._drawn.append(next(self._random))
+            mask = self._drawn[i]
+            assert mask is not None, "a random mask was asked for after its parameter's last piece"
+            if start + n == mask.numel():
+                self._drawn[i] = None  # the parameter's last piece: free its mask
+        else:
+            mask = self._stored[i] if self._stored is not None else None
+            if mask is None:
+                return None
+        return mask.reshape(-1)[start : start + n]
+
+
+def _draw_chunk(
+    layout: NoiseLayout, chunk: Sequence[_Block], streams: _Streams, masks: _MaskPieces
+) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """(parameter index, parameter view, z) of every piece of ``chunk``: its noise drawn, in order, and masked."""
+    index: list[int] = []
+    views: list[torch.Tensor] = []
+    zs: list[torch.Tensor] = []
+    cut: list[tuple[int, int]] = []
+    for block in chunk:
+        z = torch.randn(block.numel, generator=streams.on(block.device), device=block.device, dtype=block.dtype)
+        parts = [z] if len(block.pieces) == 1 else z.split([n for _, _, n in block.pieces])
+        for (i, start, n), part in zip(block.pieces, parts):
+            flat = layout.flat[i]
+            index.append(i)
+            views.append(flat if n == flat.numel() else flat[start : start + n])
+            zs.append(part)
+            cut.append((start, n))
+    if masks.any:
+        # Drawn in full whatever the mask, so that z is the same under any mask and the stream stays aligned.
+        masked = [(z, m) for z, i, (start, n) in zip(zs, index, cut) if (m := masks.of(i, start, n)) is not None]
+        if masked:
+            torch._foreach_mul_([z for z, _ in masked], [m for _, m in masked])
+    return index, views, zs
+
+
+def _flat_directions(layout: NoiseLayout, seed: int, masks: Masks) -> list[torch.Tensor]:
+    """z of every parameter as a flat vector (``layout.flat``'s shapes): views of the draws where possible."""
+    streams, mask_pieces = _Streams(seed), _MaskPieces(layout, masks)
+    pieces: list[list[torch.Tensor]] = [[] for _ in layout.params]
+    for chunk in layout.chunks():
+        index, _, zs = _draw_chunk(layout, chunk, streams, mask_pieces)
+        for i, z in zip(index, zs):
+            pieces[i].append(z)
+    return [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in pieces]
 
 
 @torch.no_grad()
-def directions(params: Sequence[torch.Tensor], seed: int, masks: Masks = None) -> list[torch.Tensor]:
-    """z for every parameter, exactly as ``perturb_`` draws it from ``seed`` (for instruments that need z)."""
-    noise = _Noise(seed)
-    return [noise.draw(p, m) for p, m in zip(params, _masks_for(params, masks))]
+def directions(
+    params: Sequence[torch.Tensor],
+    seed: int,
+    masks: Masks = None,
+    noise: str = "per_tensor",
+    layout: NoiseLayout | None = None,
+) -> list[torch.Tensor]:
+    """z for every parameter, exactly as ``perturb_`` draws it from ``seed``, shaped like it (for instruments)."""
+    layout = noise_layout(params, noise, layout)
+    return [z.view(p.shape) for z, p in zip(_flat_directions(layout, seed, masks), layout.params)]
 
 
 @torch.no_grad()
-def perturb_(params: Sequence[torch.Tensor], seed: int, scale: float, masks: Masks = None) -> None:
-    """w <- w + scale * z, with z regenerated from ``seed`` (MeZO's perturbation, Algorithm 1)."""
-    noise = _Noise(seed)
-    for p, m in zip(params, _masks_for(params, masks)):
-        z = noise.draw(p, m)
-        p.add_(z, alpha=scale)
-        del z  # free before drawing the next parameter's z: one temporary at a time
+def perturb_(
+    params: Sequence[torch.Tensor],
+    seed: int,
+    scale: float,
+    masks: Masks = None,
+    noise: str = "per_tensor",
+    z: Sequence[torch.Tensor] | None = None,
+    layout: NoiseLayout | None = None,
+) -> None:
+    """w <- w + scale * z, with z regenerated from ``seed`` (MeZO's perturbation, Algorithm 1), or given as ``z``.
+
+    A given ``z`` is ``DirectionCache.get(seed)``'s (one flat vector per parameter): a step that keeps z draws
+    it once for all its passes.
+    """
+    layout = noise_layout(params, noise, layout)
+    if z is not None:
+        torch._foreach_add_(layout.flat, list(z), alpha=scale)
+        return
+    streams, mask_pieces = _Streams(seed), _MaskPieces(layout, masks)
+    for chunk in layout.chunks():  # in draw order: the stream is the same however the chunks fall
+        _, views, zs = _draw_chunk(layout, chunk, streams, mask_pieces)
+        torch._foreach_add_(views, zs, alpha=scale)
+        del zs  # free before drawing the next chunk: one chunk's noise at a time
+
+
+class DirectionCache:
+    """The z of a step's queries, each drawn once while they fit in ``limit_bytes`` (one step's lifetime).
+
+    ``get(seed)`` returns z drawn as ``directions`` draws it, one flat vector per parameter, keeping it for later passes (the update) while
+    all kept z fit in the limit; a z that fits alone but not beside the kept ones is returned without being
+    kept (its query's own passes share it). None when even one z is larger than the limit (a full model): the
+    caller regenerates z from its seed on every pass, MeZO's trade of time for memory. The numbers are the same.
+    """
+
+    def __init__(self, layout: NoiseLayout, masks: Masks = None, limit_bytes: int = 0):
+        self.layout, self.masks = layout, masks
+        self._size = layout.nbytes
+        self._limit = limit_bytes
+        self._kept: dict[int, list[torch.Tensor]] = {}
+
+    def get(self, seed: int) -> list[torch.Tensor] | None:
+        if seed in self._kept:
+            return self._kept[seed]
+        if self._size > self._limit or not self.layout.params:
+            return None
+        z = _flat_directions(self.layout, seed, self.masks)
+        if (len(self._kept) + 1) * self._size <= self._limit:
+            self._kept[seed] = z
+        return z
+
+    def peek(self, seed: int) -> list[torch.Tensor] | None:
+        """The kept z of ``seed``, or None (never draws)."""
+        return self._kept.get(seed)
 
 
 def projected_gradient(loss_plus: torch.Tensor, loss_minus: torch.Tensor, eps: float) -> torch.Tensor:
@@ -139,11 +338,15 @@ def zo_update_(
     weight_decays: Sequence[float],
     reduction: str = "mean",
     masks: Masks = None,
+    noise: str = "per_tensor",
+    cache: DirectionCache | None = None,
+    layout: NoiseLayout | None = None,
 ) -> None:
     """w <- w - lr * (g + wd * w), g = (1/Q or 1) * sum_q grad_q * z_q, each z_q regenerated from seeds[q].
 
     ``grads`` are 0-dim tensors (or one tensor of Q values) left on the device: the update multiplies the noise
     by them, so no value is read back to the host. ``lr`` is one value or one per parameter (param groups).
+    ``cache`` supplies the z it kept instead of drawing them again (the same numbers).
     """
     n = len(params)
     lrs = [float(lr)] * n if isinstance(lr, (int, float)) else [float(x) for x in lr]
@@ -163,16 +366,38 @@ def zo_update_(
         if wd > 0:
             p.mul_(1.0 - p_lr * wd)
 
+    layout = noise_layout(params, noise, layout)
     # Queries outer, parameters inner: each z_q is drawn in the same order as in perturb_, so it is the same z.
     for q, seed in enumerate(seeds):
-        noise = _Noise(seed)
-        for p, p_lr, m in zip(params, lrs, _masks_for(params, masks)):
-            z = noise.draw(p, m)
-            coef = coefs[q] if coefs.device == p.device else coefs[q].to(p.device, non_blocking=True)
-            # z * (-lr * grad_q / Q) with a 0-dim tensor factor: no host sync (``alpha=`` would need a float).
-            z.mul_(coef * -p_lr)
-            p.add_(z)
-            del z
+        kept = cache.peek(seed) if cache is not None else None
+        if kept is not None:
+            _move(range(n), layout.flat, kept, coefs[q], lrs, layout.device)
+            continue
+        streams, mask_pieces = _Streams(seed), _MaskPieces(layout, masks)
+        for chunk in layout.chunks():
+            index, views, zs = _draw_chunk(layout, chunk, streams, mask_pieces)
+            _move(index, views, zs, coefs[q], lrs, layout.device)
+            del zs
+
+
+def _move(index: Iterable[int], views: Sequence[torch.Tensor], zs: Sequence[torch.Tensor], coef: torch.Tensor,
+          lrs: Sequence[float], device: torch.device | None) -> None:
+    """views[k] += z[k] * (-lr * coef), one multi-tensor op per learning rate and device (``device``: the only
+    device of all views, or None)."""
+    if device is not None and len(set(lrs)) == 1:
+        groups: dict[tuple[float, torch.device], list[int] | None] = {(lrs[0], device): None}  # the common case
+    else:
+        groups = {}
+        for k, i in enumerate(index):
+            groups.setdefault((lrs[i], views[k].device), []).append(k)
+    for (p_lr, device), members in groups.items():
+        c = coef if coef.device == device else coef.to(device, non_blocking=True)
+        picked_z = list(zs) if members is None else [zs[k] for k in members]
+        picked = list(views) if members is None else [views[k] for k in members]
+        # z * (-lr * grad_q / Q) with a 0-dim tensor factor: no host sync (``alpha=`` would need a float).
+        moved = torch._foreach_mul(picked_z, c * -p_lr)
+        torch._foreach_add_(picked, moved)
+        del moved
 
 
 _NO_DECAY_KEYS = ("bias", "norm", "ln_")  # matched lower-cased, so also LayerNorm, layernorm, RMSNorm, ln_f

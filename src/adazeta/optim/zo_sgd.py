@@ -11,7 +11,18 @@ import torch
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
 from adazeta.optim.batched import estimate_batched
-from adazeta.optim.spsa import Masks, decay_groups, perturb_, projected_gradient, query_seed, zo_update_
+from adazeta.optim.spsa import (
+    NOISE_STREAMS,
+    DirectionCache,
+    Masks,
+    NoiseLayout,
+    decay_groups,
+    noise_layout,
+    perturb_,
+    projected_gradient,
+    query_seed,
+    zo_update_,
+)
 
 log = logging.getLogger("adazeta")
 
@@ -21,7 +32,9 @@ REDUCTIONS = ("mean", "sum")
 ESTIMATORS = ("central", "one_sided")
 
 
-def _validate(where: str, lr: float, eps: float, weight_decay: float, reduction: str, estimator: str) -> None:
+def _validate(
+    where: str, lr: float, eps: float, weight_decay: float, reduction: str, estimator: str, noise: str = "per_tensor"
+) -> None:
     """Fail at start-up, naming the field, its value and what is allowed."""
     if lr < 0:
         raise ConfigError(f"{where}lr={lr!r} must be >= 0")
@@ -33,6 +46,8 @@ def _validate(where: str, lr: float, eps: float, weight_decay: float, reduction:
         raise ConfigError(f"{where}reduction={reduction!r} must be one of {', '.join(REDUCTIONS)}")
     if estimator not in ESTIMATORS:
         raise ConfigError(f"{where}estimator={estimator!r} must be one of {', '.join(ESTIMATORS)}")
+    if noise not in NOISE_STREAMS:
+        raise ConfigError(f"{where}noise={noise!r} must be one of {', '.join(NOISE_STREAMS)}")
 
 
 def _check_chunk(where: str, query_chunk: Any) -> int:
@@ -54,7 +69,9 @@ class ZOSGD(torch.optim.Optimizer):
     2Q times (central) or Q + 1 times (one_sided) under ``torch.no_grad``, on the same minibatch. Q is the
     public attribute ``n_queries``, which the training loop sets each step from the query schedule.
 
-    The directions are never stored: query q of step k draws z from ``query_seed(seed, k, q)``. The step is
+    The directions are never stored across steps: query q of step k draws z from ``query_seed(seed, k, q)``
+    through the noise stream ``noise`` (``adazeta.optim.spsa.NOISE_STREAMS``); within a step, a trainable set
+    whose z takes at most ``KEEP_DIRECTION_BYTES`` draws each z once and keeps it for the update. The step is
     split in two: ``_estimate`` evaluates the perturbed losses and returns the projected gradients, and
     ``zo_update_`` applies them. With ``batched_queries`` (adapter methods) and a closure that can evaluate
     weight replicas (``adazeta.optim.batched.ReplicaClosure``), the losses come from batched forwards of at most
@@ -64,6 +81,10 @@ class ZOSGD(torch.optim.Optimizer):
     """
 
     zeroth_order = True
+    # A step draws each query's z once, for its +eps, -eps and restoring passes, when one z takes at most this
+    # much, and keeps the z for the update while all of them fit: adapters (TT: 0.7 MB per z on SmolLM2) draw
+    # each z once instead of four times. A full model's z is regenerated on every pass, MeZO's saving.
+    KEEP_DIRECTION_BYTES = 32 * 2**20
 
     def __init__(
         self,
@@ -77,8 +98,11 @@ class ZOSGD(torch.optim.Optimizer):
         estimator: str = "central",
         batched_queries: bool = False,
         query_chunk: int = 4,
+        noise: str = "per_tensor",
     ):
-        _validate("ZOSGD ", lr, eps, weight_decay, reduction, estimator)
+        _validate("ZOSGD ", lr, eps, weight_decay, reduction, estimator, noise)
+        self.noise = noise
+        self._layout: NoiseLayout | None = None
         self.batched_queries = bool(batched_queries)
         self.query_chunk = _check_chunk("ZOSGD ", query_chunk)
         self._warned_sequential = False
@@ -118,9 +142,12 @@ class ZOSGD(torch.optim.Optimizer):
                 wds.append(group["weight_decay"])
         seeds = [query_seed(self.seed, self.state_step, i) for i in range(q)]
         masks = self.masks(params)
+        layout = self._layout = noise_layout(params, self.noise, self._layout)
+        cache = DirectionCache(layout, masks, self.KEEP_DIRECTION_BYTES)
 
-        losses, grads = self._estimate(closure, params, seeds, masks)
-        zo_update_(params, seeds, grads, lrs, wds, self.reduction, masks)
+        losses, grads = self._estimate(closure, params, seeds, masks, cache)
+        zo_update_(params, seeds, grads, lrs, wds, self.reduction, masks, self.noise, cache, layout)
+        del cache
 
         self.state_step += 1
         self.forward_passes += len(losses)
@@ -128,16 +155,26 @@ class ZOSGD(torch.optim.Optimizer):
         return losses.mean()
 
     def _estimate(
-        self, closure: Closure, params: Sequence[torch.Tensor], seeds: Sequence[int], masks: Masks = None
+        self,
+        closure: Closure,
+        params: Sequence[torch.Tensor],
+        seeds: Sequence[int],
+        masks: Masks = None,
+        cache: DirectionCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Evaluate the perturbed losses; return (all losses evaluated, projected gradient per query) on device.
 
         Leaves the parameters as it found them (up to rounding). Queries run one after another here; override
-        this method to batch them or to spread them over ranks.
+        this method to batch them or to spread them over ranks. ``cache`` hands out z drawn once per query.
         """
+        if cache is None:
+            cache = DirectionCache(noise_layout(params, self.noise, self._layout), masks)  # keeps nothing
+        layout = cache.layout
         if self.batched_queries:
             if callable(getattr(closure, "replicated", None)):
-                return estimate_batched(closure, params, seeds, self.eps, self.estimator, self.query_chunk, masks)
+                return estimate_batched(
+                    closure, params, seeds, self.eps, self.estimator, self.query_chunk, masks, cache
+                )
             if not self._warned_sequential:  # e.g. a generation objective: nothing to replicate
                 log.warning("batched_queries=true, but this closure cannot evaluate weight replicas: sequential")
                 self._warned_sequential = True
@@ -146,11 +183,13 @@ class ZOSGD(torch.optim.Optimizer):
         grads: list[torch.Tensor] = []
         if self.estimator == "central":
             for seed in seeds:
-                perturb_(params, seed, eps, masks)
+                z = cache.get(seed)  # None: regenerated on every pass
+                perturb_(params, seed, eps, masks, self.noise, z, layout)
                 loss_plus = _as_loss(closure())
-                perturb_(params, seed, -2 * eps, masks)
+                perturb_(params, seed, -2 * eps, masks, self.noise, z, layout)
                 loss_minus = _as_loss(closure())
-                perturb_(params, seed, eps, masks)
+                perturb_(params, seed, eps, masks, self.noise, z, layout)
+                del z
                 losses += [loss_plus, loss_minus]
                 grads.append(projected_gradient(loss_plus, loss_minus, eps))
         else:
@@ -158,9 +197,11 @@ class ZOSGD(torch.optim.Optimizer):
             loss_zero = _as_loss(closure())
             losses.append(loss_zero)
             for seed in seeds:
-                perturb_(params, seed, eps, masks)
+                z = cache.get(seed)
+                perturb_(params, seed, eps, masks, self.noise, z, layout)
                 loss_plus = _as_loss(closure())
-                perturb_(params, seed, -eps, masks)
+                perturb_(params, seed, -eps, masks, self.noise, z, layout)
+                del z
                 losses.append(loss_plus)
                 grads.append((loss_plus - loss_zero) / eps)
         return torch.stack(losses), torch.stack(grads)
@@ -173,6 +214,7 @@ class ZOSGD(torch.optim.Optimizer):
             "seed": self.seed,
             "forward_passes": self.forward_passes,
             "n_queries": self.n_queries,
+            "noise": self.noise,
         }
         return state
 
@@ -181,6 +223,12 @@ class ZOSGD(torch.optim.Optimizer):
         zo = state_dict.pop("zo", None)
         super().load_state_dict(state_dict)
         if zo is not None:
+            saved = zo.get("noise", "per_tensor")  # checkpoints from before the choice used per_tensor
+            if saved != self.noise:
+                raise ConfigError(
+                    f"the checkpoint's ZO directions come from noise={saved!r}, this run has noise={self.noise!r}: "
+                    f"resume with method.optimizer.noise={saved}"
+                )
             self.state_step = int(zo["step"])
             self.seed = int(zo["seed"])
             self.forward_passes = int(zo.get("forward_passes", 0))
@@ -209,9 +257,12 @@ class ZOSGDConfig:
     # and larger forwards. false: one forward per loss, as the reference code.
     batched_queries: bool = False
     query_chunk: int = 4  # batched: at most this many loss evaluations per forward (memory grows with it)
+    # How a seed becomes z: per_tensor (one generator call per parameter: the stream of earlier releases, so the
+    # same seeds give the same run) or flat (one call per 4 M entries: fewer kernels, other directions).
+    noise: str = "per_tensor"
 
     def __post_init__(self) -> None:
-        _validate("method.optimizer.", self.lr, self.eps, self.weight_decay, self.reduction, self.estimator)
+        _validate("method.optimizer.", self.lr, self.eps, self.weight_decay, self.reduction, self.estimator, self.noise)
         _check_chunk("method.optimizer.", self.query_chunk)
 
 
@@ -227,4 +278,5 @@ def build_zo_sgd(named_params: Iterable[tuple[str, torch.Tensor]], cfg: ZOSGDCon
         estimator=cfg.estimator,
         batched_queries=cfg.batched_queries,
         query_chunk=cfg.query_chunk,
+        noise=cfg.noise,
     )

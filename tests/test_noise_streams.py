@@ -1,0 +1,261 @@
+"""The ZO noise streams: the default ``per_tensor`` stream gives, bit for bit, the directions, losses and updates
+of the per-parameter implementation it replaced (kept below as the reference), for every kind of trainable set
+and mask, whatever the chunking or the keeping of z; ``flat`` is its own, documented stream."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from adazeta.adapters import ADAPTERS
+from adazeta.errors import ConfigError
+from adazeta.models import ModelConfig, load_model
+from adazeta.optim import spsa
+from adazeta.optim.batched import ReplicaClosure
+from adazeta.optim.sparse_mezo import SparseZOSGD
+from adazeta.optim.spsa import FLAT_BLOCK, RandomMask, directions, perturb_, projected_gradient, zo_update_
+from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
+from adazeta.scoring import collate, encode, replica_losses
+from adazeta.tasks.spec import Example
+
+# --- the per-parameter implementation of earlier releases: the reference the per_tensor stream must match ------
+
+
+def _reference_masks(params, masks):
+    if masks is None:
+        return [None] * len(params)
+    if isinstance(masks, RandomMask):
+        return masks.for_params(params)
+    return masks
+
+
+class _ReferenceNoise:
+    def __init__(self, seed):
+        self.streams = spsa._Streams(seed)
+
+    def draw(self, p, mask):
+        z = torch.randn(p.shape, generator=self.streams.on(p.device), device=p.device, dtype=p.dtype)
+        if mask is not None:
+            z.mul_(mask)
+        return z
+
+
+@torch.no_grad()
+def reference_perturb_(params, seed, scale, masks=None):
+    noise = _ReferenceNoise(seed)
+    for p, m in zip(params, _reference_masks(params, masks)):
+        p.add_(noise.draw(p, m), alpha=scale)
+
+
+@torch.no_grad()
+def reference_update_(params, seeds, grads, lrs, wds, masks=None):
+    coefs = torch.stack(list(grads)) * (1.0 / len(seeds))  # the mean reduction, as it was computed
+    for p, p_lr, wd in zip(params, lrs, wds):
+        if wd > 0:
+            p.mul_(1.0 - p_lr * wd)
+    for q, seed in enumerate(seeds):
+        noise = _ReferenceNoise(seed)
+        for p, p_lr, m in zip(params, lrs, _reference_masks(params, masks)):
+            z = noise.draw(p, m)
+            z.mul_(coefs[q] * -p_lr)
+            p.add_(z)
+
+
+@torch.no_grad()
+def reference_step(opt: ZOSGD, closure):
+    """One central-difference step of ``opt`` as the per-parameter implementation ran it."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    lrs = [g["lr"] for g in opt.param_groups for _ in g["params"]]
+    wds = [g["weight_decay"] for g in opt.param_groups for _ in g["params"]]
+    seeds = [spsa.query_seed(opt.seed, opt.state_step, q) for q in range(opt.n_queries)]
+    masks = opt.masks(params)
+    losses, grads = [], []
+    for seed in seeds:
+        reference_perturb_(params, seed, opt.eps, masks)
+        plus = closure().detach().float()
+        reference_perturb_(params, seed, -2 * opt.eps, masks)
+        minus = closure().detach().float()
+        reference_perturb_(params, seed, opt.eps, masks)
+        losses += [plus, minus]
+        grads.append(projected_gradient(plus, minus, opt.eps))
+    reference_update_(params, seeds, grads, lrs, wds, masks)
+    opt.state_step += 1
+    return torch.stack(losses), torch.stack(grads)
+
+
+# --- models --------------------------------------------------------------------------------------------------
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2}
+EXAMPLES = [
+    Example("the movie was", [" great fun", " bad"], 0),
+    Example("a long plot, and then", [" it ended", " nothing happened"], 1),
+    Example("short", ["Yes", "No"], 0),
+]
+KINDS = {  # adapter kind -> its config; "full": every weight (MeZO, Sparse-MeZO)
+    "tt": {"bottleneck": 8, "rank": 2},
+    "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]},
+    "bottleneck": {"bottleneck": 8},
+    "full": None,
+}
+
+
+def model_and_closure(kind: str):
+    loaded = load_model(ModelConfig(name="t", random_init=True, architecture=TINY_LLAMA, device="cpu"), 1)
+    if kind == "full":
+        model = loaded.model.requires_grad_(True)
+    else:
+        entry = ADAPTERS.get(kind)
+        torch.manual_seed(0)
+        model = entry.builder(loaded.model, entry.config_cls(**KINDS[kind]))
+        with torch.no_grad():  # move every adapter off its (possibly zero) init, so that each of them matters
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p), alpha=0.1)
+    batch = collate(encode(EXAMPLES, loaded.tokenizer, "causal", 64), "causal", loaded.tokenizer.pad_token_id)
+    return model, ReplicaClosure(model, functools.partial(replica_losses, model, batch, "causal"))
+
+
+def closure_of(model, closure):
+    return ReplicaClosure(model, functools.partial(closure.losses.func, model, *closure.losses.args[1:]))
+
+
+def trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def optimizer(model, kind: str, mask: str | None, **kwargs):
+    groups = [{"params": trainable(model)[::2], "weight_decay": 0.01},
+              {"params": trainable(model)[1::2], "lr": 3e-3, "weight_decay": 0.0}]
+    common = dict(lr=1e-2, eps=1e-2, seed=7, n_queries=3, **kwargs)
+    if mask is not None:
+        for g in groups:
+            g["weight_decay"] = 0.0
+        return SparseZOSGD(groups, sparsity=0.75, mask=mask, **common)
+    return ZOSGD(groups, weight_decay=0.01, **common)
+
+
+CASES = [("tt", None), ("lora", None), ("bottleneck", None), ("full", None), ("full", "magnitude"),
+         ("full", "random")]
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["z kept", "z regenerated"])
+@pytest.mark.parametrize("kind,mask", CASES)
+def test_per_tensor_steps_equal_the_per_parameter_implementation_bit_for_bit(kind, mask, keep, monkeypatch):
+    model, closure = model_and_closure(kind)
+    twin = copy.deepcopy(model)
+    twin_closure = closure_of(twin, closure)
+    monkeypatch.setattr(ZOSGD, "KEEP_DIRECTION_BYTES", 2**30 if keep else 0)
+    monkeypatch.setattr(spsa, "CHUNK_BYTES", 4096)  # many chunks, boundaries between and around tensors
+    new, old = optimizer(model, kind, mask), optimizer(twin, kind, mask)
+    for _ in range(2):
+        new.step(closure)
+        losses, grads = reference_step(old, twin_closure)
+        assert torch.equal(new.last_losses, losses) and torch.equal(new.last_projected_grads, grads)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(trainable(model), trainable(model_and_closure(kind)[0])))
+
+
+@pytest.mark.parametrize("kind", ["tt", "lora", "bottleneck"])
+def test_batched_steps_draw_the_per_parameter_directions(kind):
+    """Batched queries (replica weights) keep the same z: their update equals the reference's to rounding."""
+    model, closure = model_and_closure(kind)
+    twin = copy.deepcopy(model)
+    twin_closure = closure_of(twin, closure)
+    new, old = optimizer(model, kind, None, batched_queries=True, query_chunk=4), optimizer(twin, kind, None)
+    new.step(closure)
+    _, grads = reference_step(old, twin_closure)
+    torch.testing.assert_close(new.last_projected_grads, grads, atol=2e-4, rtol=1e-3)
+    for a, b in zip(trainable(model), trainable(twin)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_functions_match_the_reference_under_every_mask_and_chunking(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, 8, 5), (5, 8, 5), (64,), (3,), (7, 11), (300,), (16,)] * 3
+    params = [torch.randn(s, generator=g) for s in shapes]
+    fixed = [torch.rand(s, generator=g) < 0.3 for s in shapes]
+    for chunk in (64, 1000, 2**24):
+        monkeypatch.setattr(spsa, "CHUNK_BYTES", chunk)
+        for masks in (None, fixed, RandomMask(3, 0.3)):
+            new, old = [p.clone() for p in params], [p.clone() for p in params]
+            perturb_(new, 11, 1e-3, masks)
+            reference_perturb_(old, 11, 1e-3, masks)
+            assert all(torch.equal(a, b) for a, b in zip(new, old))
+            lrs = [1e-2 if i % 3 else 5e-3 for i in range(len(params))]
+            wds = [0.1 if i % 2 else 0.0 for i in range(len(params))]
+            grads = [torch.tensor(0.7), torch.tensor(-1.3)]
+            zo_update_(new, [4, 5], grads, lrs, wds, masks=masks)
+            reference_update_(old, [4, 5], grads, lrs, wds, masks)
+            assert all(torch.equal(a, b) for a, b in zip(new, old))
+            z, ref = directions(params, 9, masks), []
+            reference_noise = _ReferenceNoise(9)
+            ref = [reference_noise.draw(p, m) for p, m in zip(params, _reference_masks(params, masks))]
+            assert all(torch.equal(a, b) for a, b in zip(z, ref))
+
+
+# --- the flat stream -----------------------------------------------------------------------------------------
+
+
+def test_flat_stream_is_blocks_of_the_concatenated_parameters(monkeypatch):
+    """Its definition: per (device, dtype), parameters concatenated in order, ``FLAT_BLOCK`` entries per draw."""
+    monkeypatch.setattr(spsa, "FLAT_BLOCK", 100)  # parameters straddle blocks
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=g) for s in [(7, 11), (3,), (250,), (20, 2)]]
+    params.insert(2, torch.randn(30, generator=g, dtype=torch.float64))  # its own group, drawn after the fp32 one
+    z = directions(params, 5, noise="flat")
+    gen = torch.Generator().manual_seed(5)
+    fp32 = torch.cat([torch.randn(n, generator=gen) for n in (100, 100, 100, 70)])
+    fp64 = torch.randn(30, generator=gen, dtype=torch.float64)
+    expected = list(fp32.split([77, 3, 250, 40]))
+    expected.insert(2, fp64)
+    assert all(torch.equal(a.reshape(-1), b) for a, b in zip(z, expected))
+    per_tensor = directions(params, 5)
+    assert not torch.equal(per_tensor[0], z[0])  # a different stream, hence a versioned choice
+
+
+def test_flat_stream_steps_are_consistent(monkeypatch):
+    """perturb_, the update, kept z and batched replicas all see the same flat z; +eps/-2eps/+eps restores."""
+    monkeypatch.setattr(spsa, "FLAT_BLOCK", 1000)
+    model, closure = model_and_closure("tt")
+    kept_model, batched_model = copy.deepcopy(model), copy.deepcopy(model)
+    monkeypatch.setattr(ZOSGD, "KEEP_DIRECTION_BYTES", 0)
+    regenerated = optimizer(model, "tt", None, noise="flat")
+    regenerated.step(closure)
+    monkeypatch.setattr(ZOSGD, "KEEP_DIRECTION_BYTES", 2**30)
+    kept = optimizer(kept_model, "tt", None, noise="flat")
+    kept.step(closure_of(kept_model, closure))
+    assert torch.equal(regenerated.last_projected_grads, kept.last_projected_grads)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), kept_model.parameters()))
+    batched = optimizer(batched_model, "tt", None, noise="flat", batched_queries=True, query_chunk=6)
+    batched.step(closure_of(batched_model, closure))
+    torch.testing.assert_close(batched.last_projected_grads, kept.last_projected_grads, atol=2e-4, rtol=1e-3)
+    for a, b in zip(trainable(model), trainable(batched_model)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+    params = trainable(model)
+    before = [p.clone() for p in params]
+    perturb_(params, 3, 1e-2, noise="flat")
+    perturb_(params, 3, -2e-2, noise="flat")
+    perturb_(params, 3, 1e-2, noise="flat")
+    for a, b in zip(params, before):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_noise_is_checked_and_survives_a_resume():
+    with pytest.raises(ConfigError, match="noise"):
+        ZOSGDConfig(noise="philox")
+    w = nn.Parameter(torch.randn(10))
+    opt = ZOSGD([w], noise="flat")
+    opt.step(lambda: (w**2).sum())
+    with pytest.raises(ConfigError, match="noise='flat'"):
+        ZOSGD([nn.Parameter(torch.randn(10))]).load_state_dict(opt.state_dict())
+    ZOSGD([nn.Parameter(torch.randn(10))], noise="flat").load_state_dict(opt.state_dict())
+    old = opt.state_dict()
+    del old["zo"]["noise"]  # a checkpoint from before the choice: per_tensor
+    ZOSGD([nn.Parameter(torch.randn(10))]).load_state_dict(old)
