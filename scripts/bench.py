@@ -1,23 +1,30 @@
-"""Speed benchmark: forwards, ZO steps (sequential and batched queries), evaluation throughput, peak memory.
+"""Speed benchmark: forwards, ZO steps (sequential and batched queries), every ZO method, scaling, evaluation
+throughput, peak memory.
 
     make bench                                           # SmolLM2-135M, 16 real SST-2 prompts, CPU or GPU
     python scripts/bench.py --repeats 5 --queries 1 4 8 --chunks 4 8
+    python scripts/bench.py --weights random --dtype bf16            # no model or data file: random weights
     python scripts/bench.py --model llama-1b-random --dtype bf16     # a GPU: random ~1.1 B Llama, bf16 backbone
+    scripts/bench_gpu.sh                                             # both of the above on a GPU, into $OUT
 
-One run measures, on one batch of ``--batch-size`` real SST-2 training prompts (the project's loader and
-template; offline when $ADAZETA_MODEL_DIR / $ADAZETA_DATA_DIR or ../shared hold the model and data, else the
-Hub): the inference forward (the plain model, the model with AdaZeta's TT adapters, and the reference code's
-computation: one sequence per candidate and a full-vocabulary log-softmax); the ZO step at each Q, with
-sequential and batched queries, per query and against 2Q of our own forwards; evaluation examples per second,
-batched against one example at a time; a first-order (AdamW) step on the adapters; and the peak memory of
-inference, of an AdaZeta step (sequential and batched) and of a first-order step, each measured in a fresh
-subprocess (a process's peak resident memory only grows). Times are medians of ``--repeats`` runs after
-``--warmup`` runs, with min and max; CUDA work is synchronised before every clock read, and memory is the
-CUDA peak allocated on a GPU, the resident-set high-water mark of the measured phase on a CPU.
+One run measures, on one batch of ``--batch-size`` SST-2 training prompts (the project's loader and template,
+offline when $ADAZETA_MODEL_DIR / $ADAZETA_DATA_DIR or ../shared hold the model and data, else the Hub; with
+``--weights random``, random tokens in the real prompts' lengths): the inference forward (the plain model, the
+model with AdaZeta's TT adapters, and what the AdaZeta reference trainer's ``zo_forward`` computes on it); the
+AdaZeta ZO step at each Q, with sequential and batched queries, per query and against 2Q of our own forwards
+timed in the same rounds; every ZO method (``--methods``: MeZO, Sparse-MeZO, MeZO-LoRA, MeZO-Adapter, AdaZeta,
+each with its own config, Q = 1) on the same batch, its step against 2 of its own forwards; AdaZeta's step
+against batch size and prompt length (SST-2 and RTE prompts, ``--scaling-sizes``); evaluation examples per
+second, batched against one example at a time; a first-order (AdamW) step on the adapters; and the peak memory
+of inference, of AdaZeta steps (sequential and batched), of a first-order step and of every method's step, each
+in a fresh subprocess (a process's peak resident memory only grows). Times are medians of ``--repeats`` rounds
+after ``--warmup`` rounds, with min and max; each round runs every compared variant once (drift on a shared
+machine weighs on all alike), and ratios are taken round by round. CUDA work is synchronised before every clock
+read; memory is the CUDA peak allocated on a GPU, the resident-set high-water mark of the phase on a CPU.
 
-Writes ``results/bench/<model>-<device>-<dtype>.csv`` (one row per measurement), a ``.md`` table and a
-``.json`` with the rows and provenance (versions, commit, threads, load average before and after: other
-processes on the machine slow every number down, and the load average says how much to distrust them).
+Writes ``<out>/<model>[-random]-<device>-<dtype>.csv`` (one row per measurement), a ``.md`` table with the
+targets' verdicts and a ``.json`` with the rows and provenance (versions, commit, threads, load average before
+and after: other processes on the machine slow every number down, and the load average says how much).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,12 +63,27 @@ from adazeta.scoring import Encoded, batch_loss, batches, collate, encode, repli
 from adazeta.tracking import sync  # noqa: E402
 
 # name -> the model config the run composes (llama-1b-random borrows SmolLM2's tokenizer; tiny-llama: smoke tests).
+REFERENCE_ROW = "reference zo_forward (TT adapters; a row per candidate, padded to x8, full-vocabulary log-softmax)"
 MODELS = {"smollm2-135m": "smollm2-135m", "llama-1b-random": "smollm2-135m", "tiny-llama": "tiny-llama"}
 # A TinyLlama-1.1B-shaped decoder with SmolLM2's vocabulary (so the same prompts tokenise the same way).
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                 num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False)
+VOCAB, PAD_ID = 49152, 2  # SmolLM2's vocabulary size and pad id (its <|im_end|>), used by random-weight models
+# Prompt lengths (tokens) and candidate token ids of the first 32 SST-2 and RTE training prompts as the project
+# encodes them for SmolLM2 (LM-BFF / MeZO templates): synthetic batches of random tokens take these shapes.
+PROMPT_LENGTHS = {
+    "sst2": [6, 6, 9, 4, 8, 7, 8, 5, 12, 39, 9, 10, 7, 6, 15, 19, 24, 9, 7, 12, 8, 13, 17, 3, 8, 12, 5, 13, 5, 6, 5,
+             11],
+    "rte": [73, 77, 75, 63, 137, 131, 193, 69, 87, 59, 60, 69, 100, 46, 66, 66, 135, 61, 56, 37, 59, 105, 185, 65,
+            138, 60, 59, 60, 46, 211, 149, 203],
+}
+CANDIDATES = {"sst2": [[13321], [1109]], "rte": [[10539], [5230]]}
+NOISE = "per_tensor"  # the ZO optimizers' noise stream (--noise)
+ZO_METHODS = ["mezo", "sparse_mezo", "mezo_lora", "mezo_adapter", "adazeta"]
 COLUMNS = ["section", "measurement", "setting", "median", "min", "max", "unit", "runs"]
-TARGETS = {"s_per_query": 2.0, "step_over_forwards": 1.03, "memory_over_inference": 1.05}
+TARGETS = {"s_per_query": 2.0, "step_over_forwards": 1.02, "memory_over_inference": 1.05}
+# method -> (step / 2Q forwards, peak memory / inference): full-parameter methods draw noise for every weight.
+METHOD_TARGETS = {"mezo": (1.2, 1.15), "sparse_mezo": (1.2, 1.15), "adapters": (1.02, 1.05)}
 
 
 # --- setup ---------------------------------------------------------------------------------------------------
@@ -71,7 +94,7 @@ class Setup:
     model: torch.nn.Module
     tokenizer: Any
     device: torch.device
-    settings: Any  # adazeta.run.Settings of method=adazeta on the task
+    settings: Any  # adazeta.run.Settings of the method (AdaZeta unless asked otherwise) on the task
     items: list[Encoded]  # the benchmark batch
     dev_items: list[Encoded]  # evaluation examples
 
@@ -83,51 +106,95 @@ def offline_env() -> None:
             os.environ[var] = str(SHARED / sub)
 
 
-def build(args: argparse.Namespace, adapters: bool = True) -> Setup:
-    """Model (+ TT adapters), tokenizer and the benchmark batch, through the project's own config and loaders."""
+def settings_for(args: argparse.Namespace, method: str = "adazeta", task: str = "sst2") -> Any:
+    """The project's parsed settings of ``method`` on ``task`` for the benchmark's model, dtype and device."""
     from hydra import compose, initialize_config_dir
 
-    from adazeta.run import parse, seed_everything
-    from adazeta.tasks.loaders import load_task
+    from adazeta.run import parse
 
     overrides = [
-        f"model={MODELS[args.model]}", "task=sst2", "method=adazeta",
+        f"model={MODELS[args.model]}", f"task={task}", f"method={method}",
         f"model.dtype={args.dtype}", f"model.device={args.device}",
         f"data.num_train={max(args.batch_size, 64)}", f"data.num_dev={args.eval_examples}", "data.num_eval=8",
         "wandb.mode=disabled",
     ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        s = parse(compose(config_name="config", overrides=overrides))
-    seed_everything(s.seed)
+        return parse(compose(config_name="config", overrides=overrides))
+
+
+def backbone(args: argparse.Namespace, s: Any) -> tuple[torch.nn.Module, Any, torch.device]:
+    """(model, tokenizer, device): the real weights, or (``--weights random`` and ``llama-1b-random``) a seeded
+    random initialisation of the architecture with its full vocabulary, which needs no file at all."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from adazeta.models import architecture_config, resolve_device
+
+    if args.weights == "real" and args.model != "llama-1b-random":
+        loaded = load_model(s.model, seed=s.seed)
+        return loaded.model, loaded.tokenizer, loaded.device
+    device = resolve_device(s.model.device)
     if args.model == "llama-1b-random":
-        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-        from adazeta.models import resolve_device, resolve_source
-
-        source, device = resolve_source(s.model), resolve_device(s.model.device)
-        gguf = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-        tok = AutoTokenizer.from_pretrained(source.path, **gguf)
-        tok.pad_token = tok.pad_token or tok.eos_token
-        config = LlamaConfig(vocab_size=len(tok), pad_token_id=tok.pad_token_id, **LLAMA_1B)
+        config = LlamaConfig(vocab_size=VOCAB, pad_token_id=PAD_ID, **LLAMA_1B)
+    else:
+        config = architecture_config(s.model, vocab_size=VOCAB)  # SmolLM2's vocabulary, which the prompts use
+        config.pad_token_id = PAD_ID
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(s.seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=s.model.torch_dtype)
-        model.eval().requires_grad_(False)
+    return model.eval().requires_grad_(False), SimpleNamespace(pad_token_id=PAD_ID), device
+
+
+def synthetic_items(task: str, n: int, seed: int, vocab: int) -> list[Encoded]:
+    """``n`` examples with the real prompts' lengths (``PROMPT_LENGTHS``) and random tokens: no data needed."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = PROMPT_LENGTHS[task]
+    candidates = CANDIDATES[task]
+    return [Encoded(torch.randint(1, vocab, (lengths[i % len(lengths)],), generator=g).tolist(),
+                    [list(c) for c in candidates], i % len(candidates)) for i in range(n)]
+
+
+def bench_items(args: argparse.Namespace, s: Any, tok: Any, task: str, n: int, split: str = "train") -> list[Encoded]:
+    """``n`` encoded examples of ``task``: the project's loader and template, or synthetic (random weights)."""
+    if args.weights == "random" or args.model == "llama-1b-random":
+        return synthetic_items(task, n, s.seed + (split == "dev"), VOCAB)
+    from adazeta.tasks.loaders import load_task
+
+    if task != s.task.name:
+        s = settings_for(args, "adazeta", task)
+    data = load_task(s.task, s.data, "causal", s.seed, None)
+    return encode(getattr(data, split)[:n], tok, "causal", s.model.max_length)
+
+
+def build(args: argparse.Namespace, adapters: bool = True, method: str = "adazeta") -> Setup:
+    """Model (+ the method's adapters), tokenizer and the benchmark batch, through the project's config."""
+    from adazeta.run import seed_everything
+
+    s = settings_for(args, method)
+    seed_everything(s.seed)
+    model, tok, device = backbone(args, s)
+    if args.model == "llama-1b-random":
         # SmolLM2's reference TT shapes are for hidden 576: derive balanced ones for this width.
-        s.adapter.config = dataclasses.replace(s.adapter.config, shape_down=None, shape_up=None)
-    else:
-        loaded = load_model(s.model, seed=s.seed)
-        model, tok, device = loaded.model, loaded.tokenizer, loaded.device
+        s.adapter.config = adapter_config_for(s, args)
     if adapters:
         model = ADAPTERS.get(s.adapter.kind).builder(model, s.adapter.config)
-    data = load_task(s.task, s.data, "causal", s.seed, None)
-    items = encode(data.train[: args.batch_size], tok, "causal", s.model.max_length)
-    dev_items = encode(data.dev[: args.eval_examples], tok, "causal", s.model.max_length)
+    items = bench_items(args, s, tok, "sst2", args.batch_size)
+    dev_items = bench_items(args, s, tok, "sst2", args.eval_examples, "dev")
     return Setup(model, tok, device, s, items, dev_items)
+
+
+def adapter_config_for(s: Any, args: argparse.Namespace) -> Any:
+    """The method's adapter config; TT shapes derived for the width when the model is not SmolLM2's."""
+    cfg = s.adapter.config
+    if args.model == "llama-1b-random" and hasattr(cfg, "shape_down"):
+        cfg = dataclasses.replace(cfg, shape_down=None, shape_up=None)
+    return cfg
 
 
 def zo_optimizer(setup: Setup, batched: bool, chunk: int, n_queries: int) -> torch.optim.Optimizer:
     named = [(n, p) for n, p in setup.model.named_parameters() if p.requires_grad]
-    cfg = dataclasses.replace(setup.settings.optimizer.config, batched_queries=batched, query_chunk=chunk)
+    cfg = dataclasses.replace(setup.settings.optimizer.config, batched_queries=batched, query_chunk=chunk,
+                              noise=NOISE)
     opt = OPTIMIZERS.get(setup.settings.optimizer.kind).builder(named, cfg, setup.settings.seed)
     opt.n_queries = n_queries
     return opt
@@ -149,24 +216,38 @@ def first_order_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: 
     return loss.detach()
 
 
-def reference_style_loss(model: torch.nn.Module, items: list[Encoded], pad_id: int, device: torch.device) -> Any:
-    """The reference code's computation: each (prompt, candidate) its own row; log-softmax over the full
-    vocabulary at every position; then the candidates' tokens are read. Same loss, more work."""
-    rows, reads = [], []
-    for i, ex in enumerate(items):
-        for j, cand in enumerate(ex.candidates):
-            reads.append([(len(rows), len(ex.prompt) + k - 1, tok, i, j) for k, tok in enumerate(cand)])
+def reference_zo_forward(model: torch.nn.Module, items: list[Encoded], pad_id: int, device: torch.device) -> Any:
+    """What the AdaZeta reference trainer's ``zo_forward`` computes for one loss (MeZO's large-model code, which
+    it builds on: ``forward_wrap_with_option_len`` with ``train_as_classification``): one sequence per (prompt,
+    candidate), right-padded to the longest rounded up to a multiple of 8 (its collator's ``pad_to_multiple_of``),
+    the model's logits at every position and over the whole vocabulary, the shifted logits copied
+    (``.contiguous()``), a full log-softmax, the candidate tokens' mean log-probability per sequence, and the
+    cross-entropy over candidates. Run on the adapted model, it is the reference's loss forward."""
+    rows, option_len = [], []
+    for ex in items:
+        for cand in ex.candidates:
             rows.append(ex.prompt + cand)
-    width = max(map(len, rows))
+            option_len.append(len(cand))
+    width = -(-max(map(len, rows)) // 8) * 8
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for r, row in enumerate(rows):
         ids[r, : len(row)], mask[r, : len(row)] = torch.tensor(row), 1
-    logp = F.log_softmax(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), dim=-1)
-    scores = torch.full((len(items), max(len(e.candidates) for e in items)), float("-inf"), device=device)
-    for cand in reads:
-        scores[cand[0][3], cand[0][4]] = torch.stack([logp[r, t, tok] for r, t, tok, _, _ in cand]).mean()
-    return F.cross_entropy(scores, torch.tensor([e.gold for e in items], device=device))
+    ids, mask = ids.to(device), mask.to(device)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    shift_logits = logits[..., :-1, :].contiguous()
+    labels = ids[..., 1:].clone()
+    labels[mask[..., 1:] == 0] = -100
+    for r, n in enumerate(option_len):  # only the candidate's tokens count
+        end = int(mask[r].sum()) - 1
+        labels[r, : end - n] = -100
+    log_probs = F.log_softmax(shift_logits, dim=-1)
+    keep = labels != -100
+    picked = torch.gather(log_probs, -1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    per_row = (picked * keep).sum(-1) / keep.sum(-1)
+    n_options = len(items[0].candidates)
+    gold = torch.tensor([e.gold for e in items], device=device)
+    return F.cross_entropy(per_row.view(-1, n_options).float(), gold)
 
 
 # --- timing --------------------------------------------------------------------------------------------------
@@ -178,9 +259,18 @@ class Stats:
     min: float
     max: float
     runs: int
+    samples: list[float] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, samples: list[float]) -> "Stats":
+        return cls(statistics.median(samples), min(samples), max(samples), len(samples), list(samples))
 
     def scaled(self, factor: float) -> "Stats":
-        return Stats(self.median * factor, self.min * factor, self.max * factor, self.runs)
+        return Stats.of([x * factor for x in self.samples])
+
+    def over(self, other: "Stats") -> "Stats":
+        """Round by round ratios: each sample against the one timed next to it, so that drift cancels."""
+        return Stats.of([a / b for a, b in zip(self.samples, other.samples)])
 
 
 def timed(fns: dict[str, Callable[[], Any]], device: torch.device, repeats: int, warmup: int) -> dict[str, Stats]:
@@ -200,7 +290,7 @@ def timed(fns: dict[str, Callable[[], Any]], device: torch.device, repeats: int,
             fn()
             sync(device)  # queued CUDA work belongs to this run
             times[name].append(time.perf_counter() - start)
-    return {name: Stats(statistics.median(t), min(t), max(t), repeats) for name, t in times.items()}
+    return {name: Stats.of(t) for name, t in times.items()}
 
 
 class Report:
@@ -209,7 +299,7 @@ class Report:
 
     def add(self, section: str, measurement: str, setting: str, stats: Stats | float, unit: str) -> None:
         if not isinstance(stats, Stats):
-            stats = Stats(stats, stats, stats, 1)
+            stats = Stats.of([stats])
         self.rows.append(dict(section=section, measurement=measurement, setting=setting, median=stats.median,
                               min=stats.min, max=stats.max, unit=unit, runs=stats.runs))
         print(f"  {measurement:<44} {setting:<26} {stats.median:10.4g} {unit}  "
@@ -245,14 +335,15 @@ def measure_speed(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         "TT adapters, packed": lambda: batch_loss(adapted_model, batch, "causal"),
     }
     if not args.skip_reference:
-        forwards["plain, reference computation"] = functools.partial(
-            reference_style_loss, model, setup.items, tok.pad_token_id, device)
+        forwards[REFERENCE_ROW] = functools.partial(
+            reference_zo_forward, adapted_model, setup.items, tok.pad_token_id, device)
     with torch.inference_mode():
         fwd = timed(forwards, device, r, w)
     for name, stats in fwd.items():
         report.add("forward", "inference forward", name, stats, "s")
     overhead = fwd["TT adapters, packed"].median / fwd["plain, packed"].median - 1
     report.add("forward", "TT adapters' forward overhead", "adapted / plain - 1 (medians)", overhead, "x")
+    measure_methods(args, report, model, batch)
     del model
     model = setup.model = adapted_model
 
@@ -262,17 +353,20 @@ def measure_speed(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         n_forwards = 2 * q if opts["sequential"].estimator == "central" else q + 1
         for chunk in args.chunks:  # chunks at or above the step's loss evaluations all run the same forwards
             opts[f"batched (chunk {chunk})"] = zo_optimizer(setup, True, chunk, q)
-        runs = {"forward": torch.no_grad()(lambda: float(closure()))}  # as the step runs it: no autograd
+        # The step's own number of plain loss forwards (no autograd, as the step runs them), in the same rounds.
+        runs = {"forwards": torch.no_grad()(lambda: [float(closure()) for _ in range(n_forwards)])}
         runs.update({f"Q={q}, {m}": functools.partial(lambda o: float(o.step(closure)), o) for m, o in opts.items()})
         stats = timed(runs, device, r, w)
-        forward = stats.pop("forward")  # our loss forward, timed in the same rounds as the steps
-        report.add("zo_step", "loss forward (TT adapters)", f"Q={q} rounds", forward, "s")
+        forwards = stats.pop("forwards")
+        report.add("zo_step", "loss forward (TT adapters)", f"in the Q={q} rounds", forwards.scaled(1 / n_forwards), "s")
         for mode in stats:
             step = stats[mode]
             report.add("zo_step", "ZO step", mode, step, "s")
             report.add("zo_step", "ZO step per query", mode, step.scaled(1 / q), "s")
             report.add("zo_step", "ZO step / forwards of our model", f"{mode}; {n_forwards} forwards",
-                       step.scaled(1 / (n_forwards * forward.median)), "x")
+                       step.over(forwards), "x")
+    if args.scaling_sizes:
+        measure_scaling(args, report, setup)
 
     fo = first_order_optimizer(setup)
     stats = timed({"fo": lambda: float(first_order_step(model, fo, batch))}, device, r, w)["fo"]
@@ -287,9 +381,55 @@ def measure_speed(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     evals = {k: functools.partial(evaluate, model, v, "causal") for k, v in eval_sets.items()}
     stats = timed(evals, device, r, min(w, 1))
     for name, t in stats.items():
-        report.add("evaluation", "evaluation throughput", name, Stats(n / t.median, n / t.max, n / t.min, t.runs),
-                   "examples/s")
+        report.add("evaluation", "evaluation throughput", name, Stats.of([n / x for x in t.samples]), "examples/s")
     return info
+
+
+def method_model(args: argparse.Namespace, method: str, plain: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
+    """(a copy of ``plain`` with ``method``'s trainable part, its ZO optimizer as the method config builds it)."""
+    s = settings_for(args, method)
+    model = ADAPTERS.get(s.adapter.kind).builder(copy.deepcopy(plain), adapter_config_for(s, args))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = OPTIMIZERS.get(s.optimizer.kind).builder(named, dataclasses.replace(s.optimizer.config, noise=NOISE), s.seed)
+    opt.n_queries = 1
+    return model, opt
+
+
+def measure_methods(args: argparse.Namespace, report: Report, plain: torch.nn.Module, batch: Any) -> None:
+    """Every ZO method on the same batch: its step (Q = 1, sequential, its own config) against 2 of its forwards."""
+    device = batch.input_ids.device
+    for method in args.methods:
+        model, opt = method_model(args, method, plain)
+        loss = functools.partial(batch_loss, model, batch, "causal")
+        runs = {"forwards": torch.no_grad()(lambda: [float(loss()) for _ in range(2)]),
+                "step": lambda: float(opt.step(loss))}
+        stats = timed(runs, device, args.repeats, args.warmup)
+        trainable = count_parameters(model)[1]
+        setting = f"{method} ({trainable:,} trainable), Q=1, sequential"
+        report.add("methods", "ZO step per query", setting, stats["step"], "s")
+        report.add("methods", "loss forward", setting, stats["forwards"].scaled(0.5), "s")
+        report.add("methods", "ZO step / 2Q forwards", setting, stats["step"].over(stats["forwards"]), "x")
+        del model, opt, loss, runs
+        gc.collect()
+
+
+def measure_scaling(args: argparse.Namespace, report: Report, setup: Setup) -> None:
+    """AdaZeta's step (Q = 1, sequential) and its 2 forwards against batch size and prompt length (SST-2, RTE)."""
+    model, device, tok = setup.model, setup.device, setup.tokenizer
+    opt = zo_optimizer(setup, False, 1, 1)
+    for task in ("sst2", "rte"):
+        pool = bench_items(args, setup.settings, tok, task, max(args.scaling_sizes))
+        for size in args.scaling_sizes:
+            items = pool[:size]
+            batch = collate(items, "causal", tok.pad_token_id).to(device)
+            loss = functools.partial(batch_loss, model, batch, "causal")
+            runs = {"forwards": torch.no_grad()(lambda: [float(loss()) for _ in range(2)]),
+                    "step": lambda: float(opt.step(loss))}
+            stats = timed(runs, device, min(args.repeats, 3), min(args.warmup, 1))
+            tokens = sum(len(e.prompt) for e in items)
+            setting = f"{task}, batch {size}, {tokens} prompt tokens"
+            report.add("scaling", "AdaZeta ZO step (Q=1, sequential)", setting, stats["step"], "s")
+            report.add("scaling", "AdaZeta step / 2 forwards", setting, stats["step"].over(stats["forwards"]), "x")
 
 
 # --- memory (one subprocess per phase) ---------------------------------------------------------------------------
@@ -316,11 +456,11 @@ def _reset_rss_peak() -> bool:
 
 def memory_phase(args: argparse.Namespace) -> dict[str, Any]:
     """Build everything, then reset the peak and run ``--memory-steps`` of one phase. Runs in its own process."""
-    setup = build(args)
+    phase, _, chunk = args.phase.partition(":")
+    setup = build(args, method=chunk if phase == "method" else "adazeta")
     model, device = setup.model, setup.device
     batch = collate(setup.items, "causal", setup.tokenizer.pad_token_id).to(device)
     closure = ReplicaClosure(model, functools.partial(replica_losses, model, batch, "causal"))
-    phase, _, chunk = args.phase.partition(":")
     if phase == "inference":
         def run() -> None:
             with torch.inference_mode():
@@ -328,6 +468,13 @@ def memory_phase(args: argparse.Namespace) -> dict[str, Any]:
     elif phase in ("adazeta", "adazeta_batched"):
         opt = zo_optimizer(setup, phase == "adazeta_batched", int(chunk or 1), args.memory_queries)
         run = lambda: float(opt.step(closure))  # noqa: E731
+    elif phase == "method":  # the method's own config, Q = 1, sequential
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        s = setup.settings
+        opt = OPTIMIZERS.get(s.optimizer.kind).builder(named, dataclasses.replace(s.optimizer.config, noise=NOISE),
+                                                        s.seed)
+        opt.n_queries = 1
+        run = lambda: float(opt.step(functools.partial(batch_loss, model, batch, "causal")))  # noqa: E731
     else:
         fo = first_order_optimizer(setup)
         run = lambda: float(first_order_step(model, fo, batch))  # noqa: E731
@@ -361,7 +508,8 @@ def memory_phase(args: argparse.Namespace) -> dict[str, Any]:
 
 def measure_memory(args: argparse.Namespace, report: Report) -> None:
     results = {}
-    phases = ["inference", "adazeta", *(f"adazeta_batched:{c}" for c in args.chunks), "first_order"]
+    phases = ["inference", "adazeta", *(f"adazeta_batched:{c}" for c in args.chunks), "first_order",
+              *(f"method:{m}" for m in args.methods)]
     for phase in phases:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--phase", phase]
         print(f"memory: {phase} ...", file=sys.stderr, flush=True)
@@ -375,6 +523,7 @@ def measure_memory(args: argparse.Namespace, report: Report) -> None:
               "first_order": "first-order step (AdamW, TT adapters)"}
     labels.update({f"adazeta_batched:{c}": f"AdaZeta step, Q={args.memory_queries}, batched (chunk {c})"
                    for c in args.chunks})
+    labels.update({f"method:{m}": f"{m} step, Q=1, sequential" for m in args.methods})
     for phase, res in results.items():
         report.add("memory", "peak memory", labels[phase], res["peak_mb"], f"MB ({res['measure']})")
         report.add("memory", "peak memory / inference", labels[phase], res["peak_mb"] / base, "x")
@@ -407,6 +556,15 @@ def verdicts(report: Report, args: argparse.Namespace) -> list[str]:
     mem = [r for r in report.rows if r["measurement"] == "peak memory / inference" and "AdaZeta" in r["setting"]]
     out += [f"{r['setting']}: {r['median']:.3f} x inference memory (target <= {TARGETS['memory_over_inference']})"
             for r in mem]
+    for r in report.rows:
+        if r["section"] == "methods" and r["measurement"] == "ZO step / 2Q forwards":
+            method = r["setting"].split(" ")[0]
+            target = METHOD_TARGETS.get(method, METHOD_TARGETS["adapters"])[0]
+            out.append(f"{method}: step / 2Q forwards {r['median']:.3f} (min {r['min']:.3f}; target <= {target})")
+        if r["measurement"] == "peak memory / inference" and r["setting"].endswith("step, Q=1, sequential"):
+            method = r["setting"].split(" ")[0]
+            target = METHOD_TARGETS.get(method, METHOD_TARGETS["adapters"])[1]
+            out.append(f"{method}: peak memory {r['median']:.3f} x inference (target <= {target})")
     return out
 
 
@@ -415,6 +573,15 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="backbone dtype; adapters stay fp32")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--weights", choices=("real", "random"), default="real",
+                        help="random: a seeded random initialisation of the architecture (full vocabulary) and "
+                             "synthetic prompts of SST-2 and RTE lengths: needs no model or data file")
+    parser.add_argument("--methods", nargs="*", default=ZO_METHODS, choices=ZO_METHODS,
+                        help="ZO methods compared on the same batch (step, forwards, memory); none: skip")
+    parser.add_argument("--noise", choices=("per_tensor", "flat"), default="per_tensor",
+                        help="the ZO noise stream of every optimizer (method.optimizer.noise)")
+    parser.add_argument("--scaling-sizes", type=int, nargs="*", default=[8, 16, 32],
+                        help="batch sizes of the SST-2 / RTE scaling rows (none: skip)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, one per core)")
     parser.add_argument("--queries", type=int, nargs="+", default=[1, 4, 8])
@@ -431,6 +598,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench")
     parser.add_argument("--phase", help=argparse.SUPPRESS)  # internal: one memory phase, e.g. adazeta_batched:4
     args = parser.parse_args()
+    global NOISE
+    NOISE = args.noise
     offline_env()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -448,7 +617,8 @@ def main() -> None:
     load_after = os.getloadavg()
 
     device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    name = f"{args.model}-{device}-{args.dtype}"
+    name = f"{args.model}{'-random' if args.weights == 'random' and 'random' not in args.model else ''}" \
+           f"-{device}-{args.dtype}{'-flat' if args.noise == 'flat' else ''}"
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / f"{name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")

@@ -18,7 +18,8 @@ spec.loader.exec_module(bench)
 def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
     monkeypatch.setenv("ADAZETA_DATA_DIR", str(fixture_data))
     argv = ["bench.py", "--model", "tiny-llama", "--repeats", "2", "--warmup", "0", "--queries", "1", "2",
-            "--chunks", "3", "--eval-examples", "6", "--eval-batch-size", "4", "--skip-memory", "--out", str(tmp_path)]
+            "--chunks", "3", "--eval-examples", "6", "--eval-batch-size", "4", "--skip-memory", "--out", str(tmp_path),
+            "--scaling-sizes", "2", "4"]
     monkeypatch.setattr(sys, "argv", argv)
     bench.main()
     with open(tmp_path / "tiny-llama-cpu-fp32.csv") as f:
@@ -27,8 +28,12 @@ def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
     for q in (1, 2):
         for mode in ("sequential", "batched (chunk 3)"):
             assert ("ZO step per query", f"Q={q}, {mode}") in settings
-    assert {r["section"] for r in rows} == {"forward", "zo_step", "first_order", "evaluation"}
-    assert ("inference forward", "plain, reference computation") in settings
+    assert {r["section"] for r in rows} == {"forward", "zo_step", "methods", "scaling", "first_order", "evaluation"}
+    assert ("inference forward", bench.REFERENCE_ROW) in settings
+    methods = {r["setting"].split(" ")[0] for r in rows if r["measurement"] == "ZO step / 2Q forwards"}
+    assert methods == set(bench.ZO_METHODS)
+    for task in ("sst2", "rte"):
+        assert sum(r["setting"].startswith(f"{task}, batch ") for r in rows if r["section"] == "scaling") == 4
     for r in rows:
         assert r["runs"] in ("1", "2")
         if r["unit"] != "x":  # times and throughputs: positive, median within [min, max]
@@ -40,7 +45,44 @@ def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
 def test_memory_phase_reports_a_peak_above_its_baseline(fixture_data, monkeypatch):
     monkeypatch.setenv("ADAZETA_DATA_DIR", str(fixture_data))
     args = argparse.Namespace(model="tiny-llama", dtype="fp32", device="cpu", batch_size=4, eval_examples=4,
-                              memory_queries=2, memory_steps=1, phase="adazeta_batched:4")
+                              memory_queries=2, memory_steps=1, phase="adazeta_batched:4", weights="real")
     result = bench.memory_phase(args)
     assert result["phase"] == "adazeta_batched:4"
     assert result["peak_mb"] >= result["baseline_mb"] > 0
+    result = bench.memory_phase(argparse.Namespace(**{**vars(args), "phase": "method:mezo"}))
+    assert result["peak_mb"] >= result["baseline_mb"] > 0
+
+
+def test_bench_runs_without_model_or_data_files(tmp_path, monkeypatch):
+    """--weights random: a random model of the architecture and synthetic prompts; no file is read."""
+    monkeypatch.setenv("ADAZETA_DATA_DIR", str(tmp_path / "no-data"))
+    monkeypatch.setenv("ADAZETA_MODEL_DIR", str(tmp_path / "no-models"))
+    argv = ["bench.py", "--model", "tiny-llama", "--weights", "random", "--repeats", "1", "--warmup", "0",
+            "--queries", "1", "--chunks", "2", "--eval-examples", "4", "--eval-batch-size", "4", "--skip-memory",
+            "--methods", "adazeta", "mezo", "--scaling-sizes", "2", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
+    with open(tmp_path / "tiny-llama-random-cpu-fp32.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["setting"].split(" ")[0] for r in rows if r["section"] == "methods"} == {"adazeta", "mezo"}
+    assert any(r["setting"].startswith("rte, batch 2") for r in rows)
+
+
+def test_reference_forward_is_the_reference_loss():
+    """The reference row computes the same loss as ours (per-candidate rows, x8 padding change no number)."""
+    import torch
+
+    from adazeta.models import ModelConfig, load_model
+    from adazeta.scoring import batch_loss, collate
+
+    loaded = load_model(ModelConfig(name="t", random_init=True, architecture=dict(
+        model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2), device="cpu"), 1)
+    items = bench.synthetic_items("sst2", 5, 0, len(loaded.tokenizer)) + bench.synthetic_items("rte", 3, 1, 200)
+    for ex in items:
+        ex.candidates = [[7, 9], [11]]  # multi-token candidates: the option-length mask matters
+    with torch.no_grad():
+        ours = batch_loss(loaded.model, collate(items, "causal", loaded.tokenizer.pad_token_id), "causal")
+        reference = bench.reference_zo_forward(loaded.model, items, loaded.tokenizer.pad_token_id,
+                                               torch.device("cpu"))
+    torch.testing.assert_close(reference, ours, atol=1e-5, rtol=1e-5)
