@@ -22,7 +22,7 @@ DEMO_ARGS ?= method=adazeta task=sst2 model=smollm2-135m method.adapter.init=ide
              data.num_train=1000 data.num_dev=100 data.num_eval=200 wandb.mode=disabled
 
 .PHONY: help setup demo test test-fast dry-run tables figures cpu-convergence cpu-zo cpu-zo-report grad-fidelity \
-        bench-memory bench clean
+        bench-memory bench bench-gpu clean
 
 help:
 	@echo "make setup      create $(VENV) and install adazeta with its test extras"
@@ -37,7 +37,8 @@ help:
 	@echo "make cpu-zo-report    its table and figures from whatever has run"
 	@echo "make grad-fidelity    ZO estimate vs autograd gradient as Q grows, per method (about an hour on 1 core)"
 	@echo "make bench-memory     peak memory per method on SmolLM2, one batch of 16 SST-2 prompts (a few minutes)"
-	@echo "make bench      speed: forwards, ZO steps (sequential/batched queries), eval throughput, memory (~10 min CPU)"
+	@echo "make bench      speed: forwards, ZO steps, every ZO method, scaling, eval throughput, memory (~25 min CPU)"
+	@echo "make bench-gpu  the bench on one CUDA GPU, bf16, random SmolLM2-135M and ~1B Llama, no files (OUT=folder)"
 
 setup: $(VENV)/.installed
 
@@ -82,10 +83,14 @@ grad-fidelity: setup
 bench-memory: setup
 	$(BIN)/python scripts/bench_memory.py
 
-# e.g. make bench BENCH_ARGS="--repeats 5"; on a GPU: BENCH_ARGS="--model llama-1b-random --dtype bf16"
+# e.g. make bench BENCH_ARGS="--repeats 5"; without model or data files: BENCH_ARGS="--weights random"
 BENCH_ARGS ?=
 bench: setup
 	$(BIN)/python scripts/bench.py $(BENCH_ARGS)
+
+OUT ?= results/bench/gpu
+bench-gpu: setup
+	OUT=$(abspath $(OUT)) PYTHON=$(BIN)/python scripts/bench_gpu.sh
 
 clean:
 	rm -rf outputs multirun .pytest_cache

@@ -371,19 +371,20 @@ def zo_update_(
     for q, seed in enumerate(seeds):
         kept = cache.peek(seed) if cache is not None else None
         if kept is not None:
-            _move(range(n), layout.flat, kept, coefs[q], lrs, layout.device)
+            _move(range(n), layout.flat, kept, coefs[q], lrs, layout.device, inplace=False)
             continue
         streams, mask_pieces = _Streams(seed), _MaskPieces(layout, masks)
         for chunk in layout.chunks():
             index, views, zs = _draw_chunk(layout, chunk, streams, mask_pieces)
-            _move(index, views, zs, coefs[q], lrs, layout.device)
+            _move(index, views, zs, coefs[q], lrs, layout.device, inplace=True)
             del zs
 
 
 def _move(index: Iterable[int], views: Sequence[torch.Tensor], zs: Sequence[torch.Tensor], coef: torch.Tensor,
-          lrs: Sequence[float], device: torch.device | None) -> None:
+          lrs: Sequence[float], device: torch.device | None, inplace: bool) -> None:
     """views[k] += z[k] * (-lr * coef), one multi-tensor op per learning rate and device (``device``: the only
-    device of all views, or None)."""
+    device of all views, or None). ``inplace``: scale z where it lies (a fresh draw: no second temporary the
+    size of a chunk, which for a large embedding is a parameter's size), else into new tensors (kept z)."""
     if device is not None and len(set(lrs)) == 1:
         groups: dict[tuple[float, torch.device], list[int] | None] = {(lrs[0], device): None}  # the common case
     else:
@@ -395,9 +396,13 @@ def _move(index: Iterable[int], views: Sequence[torch.Tensor], zs: Sequence[torc
         picked_z = list(zs) if members is None else [zs[k] for k in members]
         picked = list(views) if members is None else [views[k] for k in members]
         # z * (-lr * grad_q / Q) with a 0-dim tensor factor: no host sync (``alpha=`` would need a float).
-        moved = torch._foreach_mul(picked_z, c * -p_lr)
-        torch._foreach_add_(picked, moved)
-        del moved
+        if inplace:
+            torch._foreach_mul_(picked_z, c * -p_lr)
+            torch._foreach_add_(picked, picked_z)
+        else:
+            moved = torch._foreach_mul(picked_z, c * -p_lr)
+            torch._foreach_add_(picked, moved)
+            del moved
 
 
 _NO_DECAY_KEYS = ("bias", "norm", "ln_")  # matched lower-cased, so also LayerNorm, layernorm, RMSNorm, ln_f
