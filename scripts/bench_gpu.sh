@@ -3,7 +3,7 @@
 # SmolLM2-135M (its architecture and vocabulary) and a randomly initialised ~1.1 B Llama, on synthetic prompts
 # of the real SST-2 and RTE lengths. Tables (.md), rows (.csv) and provenance (.json) go to $OUT.
 #
-#     OUT=/path/to/folder scripts/bench_gpu.sh          # about 5 minutes on one H200
+#     OUT=/path/to/folder scripts/bench_gpu.sh          # at most 6 minutes (time limits per run)
 #
 # Each run has a time limit, so that the whole stays under 6 minutes; a run that hits it leaves a note in
 # $OUT/timings.txt and the next one starts.
