@@ -95,3 +95,12 @@ def tiny_overrides(data_dir: Path, *extra: str) -> list[str]:
         "wandb.mode=disabled",
         *extra,
     ]
+
+
+@pytest.fixture
+def reference_targets():
+    """``(model_type, placement) -> targets``: the reference adapter sites, read from conf/model/hf.yaml."""
+    from omegaconf import OmegaConf
+
+    table = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "hf.yaml"))["placements"]
+    return lambda model_type, placement="official": table[model_type][placement]

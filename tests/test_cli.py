@@ -86,3 +86,17 @@ def test_a_tiny_run_from_the_command_line(tmp_path, fixture_data):
     )
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "run" / "result.json").is_file()
+
+
+def test_dry_run_of_any_model_from_a_folder_holding_only_its_config(tmp_path):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("gemma3_text", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, vocab_size=300).save_pretrained(tmp_path / "gemma")
+    res = adazeta_run("model=hf", f"model.path={tmp_path / 'gemma'}", "method=adazeta", "method.adapter.bottleneck=8",
+                      "method.adapter.rank=2", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}")
+    assert res.returncode == 0, res.stderr
+    assert "model            hf (causal, fp32)" in res.stdout
+    assert "architecture     model_type gemma3_text, hidden_size 32, intermediate_size 64" in res.stdout
+    assert "trainable params 888" in res.stdout  # 6 MLP sites found from the structure x 148
+    assert "adapters         6" in res.stdout

@@ -12,8 +12,14 @@ GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in ("model"
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
-def test_every_option_composes_and_parses(group, option):
-    settings = parse(compose_cfg([f"{group}={option}"]))
+def test_every_option_composes_and_parses(group, option, tmp_path):
+    overrides = [f"{group}={option}"]
+    if (group, option) == ("model", "hf"):  # the generic model config needs a model: a folder with its config.json
+        from transformers import LlamaConfig
+
+        LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2).save_pretrained(tmp_path)
+        overrides.append(f"model.path={tmp_path}")
+    settings = parse(compose_cfg(overrides))
     assert getattr(settings, group if group != "schedule" else "schedule") is not None
     if group == "method":
         assert settings.method == option

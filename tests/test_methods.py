@@ -437,11 +437,14 @@ ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "opt",
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
 @pytest.mark.parametrize("kind", ["tt", "bottleneck", "lora"])
-def test_every_adapter_fits_every_architecture(kind, model_type):
+def test_every_adapter_fits_every_architecture(kind, model_type, reference_targets):
     from adazeta.adapters.lora import LoraAdapterConfig
     from adazeta.adapters.tt import TTAdapterConfig
 
-    cfg = {"tt": TTAdapterConfig(bottleneck=8, rank=2), "bottleneck": BottleneckAdapterConfig(bottleneck=8),
+    # The reference sites of conf/model/hf.yaml, as a run on this model type gets them.
+    tt_targets, dense_targets = reference_targets(model_type, "official"), reference_targets(model_type, "paper")
+    cfg = {"tt": TTAdapterConfig(bottleneck=8, rank=2, targets=tt_targets),
+           "bottleneck": BottleneckAdapterConfig(bottleneck=8, targets=dense_targets),
            "lora": LoraAdapterConfig(r=2)}[kind]
     model = ADAPTERS.get(kind).builder(_tiny(model_type), cfg)
     names = [n for n, p in model.named_parameters() if p.requires_grad]

@@ -243,11 +243,12 @@ def test_llama2_7b_paper_placement():
     assert not isinstance(layer.mlp.gate_proj, AdaptedLinear)
 
 
-def test_roberta_large_reference_count():
+def test_roberta_large_reference_count(reference_targets):
     cfg = RobertaConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
     with torch.device("meta"):
         model = RobertaForMaskedLM(cfg)
-    model = add_tt_adapters(model, TTAdapterConfig(shape_down=ROBERTA_SHAPE, shape_up=ROBERTA_SHAPE))
+    targets = reference_targets("roberta")
+    model = add_tt_adapters(model, TTAdapterConfig(shape_down=ROBERTA_SHAPE, shape_up=ROBERTA_SHAPE, targets=targets))
     assert count_adapters(model) == 48
     assert sum(p.numel() for p in model.roberta.encoder.layer[0].output.dense.adapter.parameters()) == 2848
     assert sum(p.numel() for p in trainable(model).values()) == 136_704
@@ -337,12 +338,12 @@ def test_tiny_roberta_forward_and_frozen_head():
     assert logits.shape == (2, 6, 100) and torch.isfinite(logits).all()
 
 
-def test_tiny_gpt2_conv1d_gets_adapters():
+def test_tiny_gpt2_conv1d_gets_adapters(reference_targets):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
         GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100, bos_token_id=0, eos_token_id=0)
     )
-    model = add_tt_adapters(model, TTAdapterConfig(bottleneck=8, rank=3))
+    model = add_tt_adapters(model, TTAdapterConfig(bottleneck=8, rank=3, targets=reference_targets("gpt2")))
     assert count_adapters(model) == 4
     assert isinstance(model.transformer.h[0].attn.c_proj, AdaptedLinear)
     assert model.transformer.h[0].mlp.c_proj.adapter.up.out_features == 32  # Conv1D: nf = out features
@@ -363,9 +364,15 @@ def test_tiny_opt_gets_adapters():
     assert torch.isfinite(model(torch.randint(2, 100, (2, 5))).logits).all()
 
 
-def test_unknown_architecture_needs_targets():
+def test_unknown_architecture_gets_the_mlp_sites_or_needs_targets():
     model = _tiny_llama()
     model.config.model_type = "mystery"
+    found = add_tt_adapters(model, TTAdapterConfig(bottleneck=8, rank=3))  # the MLP, from its shapes
+    assert {n for n, m in found.named_modules() if isinstance(m, AdaptedLinear)} == {
+        f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")}
+    model = _tiny_llama()
+    model.config.model_type = "mystery"
+    model.config.intermediate_size = model.config.hidden_size  # shapes can no longer tell the MLP apart
     with pytest.raises(ConfigError, match=r"adapter\.targets"):
         add_tt_adapters(model, TTAdapterConfig())
     targets = [{"pattern": r"mlp\.down_proj$", "position": "output"}]

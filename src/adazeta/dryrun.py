@@ -1,6 +1,7 @@
 """``dry_run=true``: build the model on the meta device, attach the method's adapter, count, estimate memory.
 
-Nothing is downloaded and no memory is allocated: the architecture comes from the model YAML.
+Nothing is downloaded and no memory is allocated: the architecture comes from the model YAML, or from the model's
+own config.json (a folder holding only that file is enough) or GGUF header.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from adazeta.adapters import ADAPTERS
 from adazeta.adapters.bottleneck import count_bottleneck_adapters
 from adazeta.adapters.tt import count_adapters
-from adazeta.models import build_meta_model, count_parameters
+from adazeta.models import architecture_summary, build_meta_model, count_parameters
 
 if TYPE_CHECKING:
     from adazeta.run import Settings
@@ -38,10 +39,10 @@ def memory_estimate(
     from adazeta.optim.sparse_mezo import SparseZOSGDConfig
     from adazeta.optim.zo_sgd import ZOSGDConfig
 
-    arch = s.model.architecture or {}
-    h = arch.get("hidden_size", 0)
-    layers = arch.get("num_hidden_layers", 0)
-    heads = arch.get("num_attention_heads", 1)
+    arch = architecture_summary(s.model)
+    h = arch["hidden_size"] or 0
+    layers = arch["num_hidden_layers"] or 0
+    heads = arch["num_attention_heads"] or 1
     width = torch.tensor([], dtype=s.model.torch_dtype).element_size()
     b = s.train.batch_size
     per_layer = seq_len * b * h * (34 + 5 * heads * seq_len / max(h, 1)) * width / 2
@@ -92,6 +93,7 @@ def dry_run(s: "Settings") -> dict[str, Any]:
         "estimate_assumes": f"batch {s.train.batch_size} x {ESTIMATE_SEQ_LEN} tokens, {s.model.dtype} backbone",
     }
     print(f"model            {s.model.name} ({s.model.family}, {s.model.dtype})")
+    print("architecture     " + ", ".join(f"{k} {v}" for k, v in architecture_summary(s.model).items()))
     print(f"method           {s.method} (adapter: {s.adapter.kind}, optimizer: {s.optimizer.kind if s.optimizer else None})")
     print(f"total params     {total:,}")
     print(f"trainable params {trainable:,}")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from adazeta.adapters.sites import check_placements
 from adazeta.errors import ConfigError
 
 FAMILIES = ("causal", "masked")
@@ -29,21 +30,27 @@ class ModelConfig:
     """Which model to load and how. See ``conf/model/*.yaml``."""
 
     name: str
-    family: str = "causal"  # causal (decoder, MeZO protocol) or masked (RoBERTa-style, LM-BFF protocol)
+    # causal (decoder, MeZO protocol) or masked (RoBERTa-style, LM-BFF protocol); None: read from the model's config
+    family: str | None = "causal"
     hub_id: str | None = None  # Hugging Face Hub id, used when no local copy is configured
+    path: str | None = None  # a save_pretrained folder or a .gguf file, used instead of hub_id / local_name
     local_name: str | None = None  # folder under the model directory holding the local copy
     gguf_file: str | None = None  # a GGUF file inside that folder (transformers dequantizes it)
     random_init: bool = False  # build from `architecture` with random weights (tests, dry runs)
-    architecture: dict[str, Any] | None = None  # model_type + config fields; dry runs build it on `meta`
+    # model_type + config fields; dry runs build it on `meta`. None: read from the model's own config.
+    architecture: dict[str, Any] | None = None
     dtype: str = "fp32"  # fp32 or bf16 for the backbone; adapters always stay fp32
     device: str = "auto"  # auto picks CUDA when present, else CPU
     max_length: int = 512  # prompt + candidate tokens; longer prompts are truncated (scoring.encode)
     model_dir: str | None = None  # local model directory; defaults to $ADAZETA_MODEL_DIR
     revision: str | None = None  # Hub revision, for reproducible downloads
     tt_shapes: dict[str, list[int]] | None = None  # reference TT modes {down, up} for this hidden size (SPEC §2)
+    # Adapter sites by model_type and placement: {model_type: {official: [{pattern, position}], paper: [...]}}.
+    # A model_type not listed gets the MLP projections found from its module structure (adapters/sites.py).
+    placements: dict[str, dict[str, list[dict[str, str]]]] | None = None
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
+        if self.family is not None and self.family not in FAMILIES:
             raise ConfigError(f"model.family={self.family!r} is not one of {', '.join(FAMILIES)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
@@ -51,8 +58,10 @@ class ModelConfig:
             raise ConfigError(f"model.max_length={self.max_length} must be >= 8")
         if self.random_init and not self.architecture:
             raise ConfigError(f"model {self.name!r} has random_init=true but no `architecture` to build from")
-        if not self.random_init and not (self.hub_id or self.local_name):
-            raise ConfigError(f"model {self.name!r} needs `hub_id` or `local_name` (or random_init=true)")
+        if not self.random_init and not (self.hub_id or self.local_name or self.path):
+            raise ConfigError(f"model {self.name!r} needs model.hub_id=<org/name> or model.path=<folder or .gguf file>")
+        if self.placements is not None:
+            check_placements(self.placements, "model.placements")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"model.device={self.device!r} must be auto, cpu, cuda or cuda:N")
 
@@ -62,7 +71,7 @@ class ModelConfig:
 
     @property
     def hidden_size(self) -> int | None:
-        return (self.architecture or {}).get("hidden_size")
+        return architecture_config(self).hidden_size if self.architecture else None
 
 
 @dataclass
@@ -95,6 +104,13 @@ def resolve_source(cfg: ModelConfig) -> ModelSource:
     """Decide where the weights come from, checking local files exist. Cheap: loads nothing."""
     if cfg.random_init:
         return ModelSource("random")
+    if cfg.path:
+        source = path_source(cfg.path, cfg.gguf_file)
+        if source.gguf_file:
+            check_gguf(Path(source.path) / source.gguf_file)
+        else:
+            check_pretrained_folder(Path(source.path))
+        return source
     model_dir = cfg.model_dir or os.environ.get(MODEL_DIR_ENV)
     if model_dir:
         if not cfg.local_name:
@@ -118,6 +134,19 @@ def resolve_source(cfg: ModelConfig) -> ModelSource:
     if not cfg.hub_id:
         raise ConfigError(f"model {cfg.name!r} has no hub_id; set {MODEL_DIR_ENV} to a folder holding {cfg.local_name}/")
     return ModelSource("hub", cfg.hub_id)
+
+
+def path_source(path: str, gguf_file: str | None = None) -> ModelSource:
+    """``model.path``: a .gguf file, or a folder holding config.json or ``gguf_file``. Checks only that it exists."""
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return ModelSource("local", str(p.parent), p.name)
+    if p.is_dir() and gguf_file and (p / gguf_file).is_file():
+        return ModelSource("local", str(p), gguf_file)
+    if p.is_dir() and (p / "config.json").is_file():
+        return ModelSource("local", str(p))
+    raise ConfigError(f"model.path={path} is neither a .gguf file nor a folder holding config.json; point it at a "
+                      "save_pretrained folder or a .gguf file")
 
 
 GGUF_MAGIC = b"GGUF"
@@ -208,6 +237,84 @@ def architecture_config(cfg: ModelConfig, vocab_size: int | None = None) -> Any:
     if vocab_size is not None:
         arch["vocab_size"] = vocab_size
     return AutoConfig.for_model(model_type, **arch)
+
+
+def source_config(cfg: ModelConfig) -> Any:
+    """The transformers config of the model ``cfg`` names, read from its config.json or GGUF header (no weights)."""
+    from transformers import AutoConfig
+
+    model_dir = cfg.model_dir or os.environ.get(MODEL_DIR_ENV)
+    if cfg.path:
+        source = path_source(cfg.path, cfg.gguf_file)
+    elif model_dir and cfg.local_name:
+        folder = Path(model_dir).expanduser() / cfg.local_name
+        gguf = cfg.gguf_file if cfg.gguf_file and (folder / cfg.gguf_file).is_file() else None
+        source = ModelSource("local", str(folder), gguf)
+    else:
+        source = ModelSource("hub", cfg.hub_id)
+    kwargs: dict[str, Any] = {}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    if cfg.revision and source.kind == "hub":
+        kwargs["revision"] = cfg.revision
+    try:
+        return AutoConfig.from_pretrained(source.path, **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        what = Path(source.path) / source.gguf_file if source.gguf_file else source.path
+        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"cannot read the model config of {what} ({reason}); check model.hub_id or model.path, "
+                          "or set model.architecture") from None
+
+
+def infer_family(config: Any) -> str:
+    """causal or masked, from the config's ``architectures`` (e.g. Gemma3ForCausalLM, RobertaForMaskedLM), else
+    from which auto class knows its model_type (an encoder that both know, as BERT, is masked unless a decoder)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    for name in getattr(config, "architectures", None) or []:
+        if name.endswith("ForMaskedLM"):
+            return "masked"
+        if name.endswith(("ForCausalLM", "LMHeadModel")):
+            return "causal"
+    causal = config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    masked = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    if masked and not (causal and getattr(config, "is_decoder", False)):
+        return "masked"
+    if causal:
+        return "causal"
+    raise ConfigError(f"model_type={config.model_type!r} is neither a causal nor a masked LM in this transformers "
+                      "version; set model.family=causal or masked if it is one")
+
+
+def complete_config(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with its ``architecture`` block and ``family`` read from the model's own config when not given."""
+    if cfg.architecture and cfg.family:
+        return cfg
+    config = architecture_config(cfg) if cfg.architecture else source_config(cfg)
+    architecture = cfg.architecture or {"model_type": config.model_type, **config.to_diff_dict()}
+    return dataclasses.replace(cfg, architecture=architecture, family=cfg.family or infer_family(config))
+
+
+def architecture_summary(cfg: ModelConfig) -> dict[str, Any]:
+    """The sizes a reader checks first: model_type, hidden, intermediate, layers, heads, vocabulary."""
+    from adazeta.adapters.sites import mlp_sizes
+
+    config = architecture_config(cfg)
+    try:
+        intermediate = mlp_sizes(config)[1]
+    except ConfigError:
+        intermediate = None
+    return {
+        "model_type": config.model_type,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "vocab_size": config.vocab_size,
+    }
 
 
 def _auto_class(family: str) -> Any:

@@ -26,7 +26,7 @@ import adazeta.optim  # noqa: F401  (registers the built-in optimizers)
 from adazeta.adapters import ADAPTERS
 from adazeta.errors import ConfigError
 from adazeta.icl import DemonstrationConfig, add_demonstrations_
-from adazeta.models import LoadedModel, ModelConfig, count_parameters, load_model, resolve_source
+from adazeta.models import LoadedModel, ModelConfig, complete_config, count_parameters, load_model, resolve_source
 from adazeta.optim import OPTIMIZERS
 from adazeta.optim.zo_sgd import ZOSGDConfig
 from adazeta.probe import ProbeConfig, linear_probe
@@ -133,8 +133,14 @@ def parse(cfg: DictConfig) -> Settings:
         experiment=raw.get("experiment_name"),
         raw=raw,
     )
+    settings.model = complete_config(settings.model)  # a model given by hub_id or path: its own config's sizes
     shapes = settings.model.tt_shapes
     adapter = settings.adapter.config
+    table = (settings.model.placements or {}).get(settings.model.architecture["model_type"])
+    if table and getattr(adapter, "targets", False) is None:
+        # The reference sites for this model type (conf/model/*.yaml) unless the method names its own; without
+        # an entry the adapter finds the MLP's projections from the module structure (adapters/sites.py).
+        settings.adapter.config = adapter = dataclasses.replace(adapter, targets=table[adapter.placement])
     if settings.adapter.kind == "tt" and shapes and adapter.shape_down is None and adapter.shape_up is None:
         # The model's reference shapes (e.g. [8,8,16,8,8] for RoBERTa-Large) unless the method names its own.
         settings.adapter.config = dataclasses.replace(adapter, shape_down=shapes["down"], shape_up=shapes["up"])

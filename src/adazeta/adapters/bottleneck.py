@@ -1,7 +1,7 @@
 """Dense bottleneck adapters (Houlsby et al. 2019), the "Adapters" rows of SPEC §5 (first-order and MeZO).
 
 The module is the TT adapter's with dense projections: ``h -> h + up(act(down(h)))``, placed with the same
-``PLACEMENTS`` table (or ``targets``) and the same ``AdaptedLinear`` wrapper, so that the two differ only in how
+sites (``adazeta.adapters.sites``) and the same ``AdaptedLinear`` wrapper, so that the two differ only in how
 ``down`` and ``up`` are stored. ``up`` starts at zero, so the adapted model equals the backbone at step 0 (the
 usual near-identity start of adapter tuning; the TT adapter's reference init is not the identity).
 """
@@ -9,22 +9,12 @@ usual near-identity start of adapter tuning; the TT adapter's reference init is 
 from __future__ import annotations
 
 import dataclasses
-import re
-
 import torch
 from torch import Tensor, nn
 
 from adazeta.adapters import ADAPTERS
-from adazeta.adapters.tt import (
-    ACTIVATIONS,
-    INITS,
-    PLACEMENT_NAMES,
-    POSITIONS,
-    AdaptedLinear,
-    linear_features,
-    match_targets,
-    resolve_targets,
-)
+from adazeta.adapters.sites import PLACEMENT_NAMES, check_targets, linear_features, resolve_sites
+from adazeta.adapters.tt import ACTIVATIONS, INITS, AdaptedLinear
 from adazeta.errors import ConfigError
 
 
@@ -37,8 +27,8 @@ class BottleneckAdapterConfig:
     # "paper": after the attention and feed-forward sub-layers (Houlsby's placement, the default here);
     # "official": the TT reference code's sites (Llama: gate/up inputs and down output). Ignored with `targets`.
     placement: str = "paper"
-    # Manual placement, replacing the table: [{"pattern": regex searched in module names, "position": "input"
-    # or "output"}]. Needed for architectures the placement table does not know.
+    # Sites: [{"pattern": regex searched in module names, "position": "input" or "output"}]. None: the model
+    # config's placement table for its model_type, else the sites found from the module structure.
     targets: list[dict] | None = None
     # identity (default): `up` starts at zero, so the adapted model equals the backbone at step 0 (Houlsby's
     # near-identity start); reference: PyTorch's nn.Linear init on both projections, not the identity.
@@ -53,17 +43,8 @@ class BottleneckAdapterConfig:
             raise ConfigError(f"method.adapter.placement={self.placement!r} is unknown; known: {', '.join(PLACEMENT_NAMES)}")
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"method.adapter.activation={self.activation!r} is unknown; known: {', '.join(ACTIVATIONS)}")
-        for i, target in enumerate(self.targets or []):
-            if not isinstance(target, dict) or set(target) != {"pattern", "position"}:
-                raise ConfigError(f"method.adapter.targets[{i}]={target} must have exactly the keys 'pattern' and 'position'")
-            if target["position"] not in POSITIONS:
-                raise ConfigError(
-                    f"method.adapter.targets[{i}].position={target['position']!r} is unknown; known: {', '.join(POSITIONS)}"
-                )
-            try:
-                re.compile(target["pattern"])
-            except re.error as err:
-                raise ConfigError(f"method.adapter.targets[{i}].pattern={target['pattern']!r} is not a regex: {err}") from None
+        if self.targets is not None:
+            check_targets(self.targets, "method.adapter.targets")
 
 
 class BottleneckAdapter(nn.Module):
@@ -110,7 +91,7 @@ def add_bottleneck_adapters(model: nn.Module, cfg: BottleneckAdapterConfig) -> n
     """
     model.requires_grad_(False)
     # The same placement table, matching rules and errors as the TT adapters.
-    for name, (base, position) in match_targets(model, resolve_targets(model, cfg)).items():
+    for name, (base, position) in resolve_sites(model, cfg.targets, cfg.placement).items():
         fan_in, fan_out = linear_features(base)
         features = fan_in if position == "input" else fan_out
         adapter = BottleneckAdapter(features, cfg.bottleneck, cfg.activation, device=base.weight.device, init=cfg.init)

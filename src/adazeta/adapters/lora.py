@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from adazeta.adapters import ADAPTERS
+from adazeta.adapters.sites import find_sites
 from adazeta.errors import ConfigError
 
 
@@ -15,7 +16,9 @@ class LoraAdapterConfig:
     r: int = 8  # rank (SPEC §5: 8 for first-order LoRA; MeZO-LoRA's reference code uses 5)
     alpha: float = 16.0  # scaling numerator: the update is (alpha / r) * B A
     dropout: float = 0.0  # LoRA dropout; ZO forwards run in eval mode, so it only acts in first-order runs
-    target_modules: list[str] | None = None  # None: peft's default for the architecture (q and v projections)
+    # None: peft's default for the architecture (q and v projections); for a model type peft has no default for,
+    # the MLP's projections found from the module structure (adapters/sites.py)
+    target_modules: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.r < 1:
@@ -29,12 +32,17 @@ def add_lora(model: nn.Module, cfg: LoraAdapterConfig) -> nn.Module:
     """Wrap the model with peft LoRA; only the LoRA A and B matrices train."""
     from peft import LoraConfig, get_peft_model
 
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
     model.requires_grad_(False)
+    targets = list(cfg.target_modules) if cfg.target_modules else None
+    if targets is None and getattr(model.config, "model_type", None) not in PEFT_DEFAULTS:
+        targets = list(find_sites(model, "official"))  # full module names: peft matches exactly these
     config = LoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
-        target_modules=list(cfg.target_modules) if cfg.target_modules else None,
+        target_modules=targets,
         bias="none",
     )
     try:

@@ -2,25 +2,23 @@
 
 An adapter is ``h -> h + up(act(down(h)))`` with bottleneck b, where ``down`` (H -> b) and ``up`` (b -> H) are
 TT matrices (``adazeta.tensor.tt``). It is placed on the input (``base(x + A(x))``) or on the output
-(``y + A(y)``) of chosen linear layers; ``PLACEMENTS`` says where, per architecture. Everything else is frozen.
+(``y + A(y)``) of chosen linear layers (``adazeta.adapters.sites`` says which). Everything else is frozen.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
-from transformers.pytorch_utils import Conv1D
 
 from adazeta.adapters import ADAPTERS
+from adazeta.adapters.sites import PLACEMENT_NAMES, POSITIONS, check_targets, linear_features, resolve_sites
 from adazeta.errors import ConfigError
 from adazeta.tensor.tt import default_shape, init_cores, split_index, tt_matmul
 
-POSITIONS = ("input", "output")
 # reference: the reference code's init (SPEC §2), not the identity at step 0; identity: the last `up` core and
 # the `up` bias start at zero, so the adapted model equals the backbone at step 0 (as LoRA's B = 0 does).
 INITS = ("reference", "identity")
@@ -33,44 +31,6 @@ ACTIVATIONS: dict[str, type[nn.Module]] = {
     "identity": nn.Identity,
 }
 
-# model_type -> placement name -> [(regex searched in the full dotted module name, position)].
-# Patterns start at a name boundary and end with `$` so that e.g. RoBERTa's FFN `layer.N.output.dense` does not
-# also match `layer.N.attention.output.dense`, nor GPT-2's `attn.c_proj` a cross-attention's `crossattention.c_proj`.
-_LLAMA = {
-    # Reference code: three adapters per decoder layer, all in the MLP (96 on Llama-2-7B).
-    "official": [
-        (r"(^|\.)mlp\.gate_proj$", "input"),
-        (r"(^|\.)mlp\.up_proj$", "input"),
-        (r"(^|\.)mlp\.down_proj$", "output"),
-    ],
-    # Paper's wording: "after the attention and the feed-forward sub-layers".
-    "paper": [
-        (r"(^|\.)self_attn\.o_proj$", "output"),
-        (r"(^|\.)mlp\.down_proj$", "output"),
-    ],
-}
-_ROBERTA_SITES = [
-    # After the attention-output dense and the FFN-output dense, before the residual add and LayerNorm.
-    (r"(^|\.)layer\.\d+\.attention\.output\.dense$", "output"),
-    (r"(^|\.)layer\.\d+\.output\.dense$", "output"),
-]
-_ROBERTA = {"official": _ROBERTA_SITES, "paper": _ROBERTA_SITES}
-_OPT = {
-    "official": [(r"(^|\.)fc1$", "input"), (r"(^|\.)fc2$", "output")],
-    "paper": [(r"(^|\.)self_attn\.out_proj$", "output"), (r"(^|\.)fc2$", "output")],
-}
-_GPT2_SITES = [(r"(^|\.)attn\.c_proj$", "output"), (r"(^|\.)mlp\.c_proj$", "output")]
-_GPT2 = {"official": _GPT2_SITES, "paper": _GPT2_SITES}
-
-PLACEMENTS: dict[str, dict[str, list[tuple[str, str]]]] = {
-    **{name: _LLAMA for name in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")},
-    **{name: _ROBERTA for name in ("roberta", "bert", "xlm-roberta")},
-    "opt": _OPT,
-    "gpt2": _GPT2,
-}
-PLACEMENT_NAMES = sorted({name for table in PLACEMENTS.values() for name in table})
-
-
 @dataclasses.dataclass
 class TTAdapterConfig:
     """Config of the TT adapter (SPEC §2); validated on construction."""
@@ -82,8 +42,8 @@ class TTAdapterConfig:
     shape_up: list[int] | None = None  # TT modes of the (b, H) up matrix; None derives balanced ones
     activation: str = "relu"
     num_factors: int = 3  # modes per side when shapes are derived (H -> num_factors modes, b -> num_factors)
-    # Manual placement, replacing the table: [{"pattern": regex searched in module names, "position": "input"
-    # or "output"}]. Needed for architectures PLACEMENTS does not know.
+    # Sites: [{"pattern": regex searched in module names, "position": "input" or "output"}]. None: the model
+    # config's placement table for its model_type, else the MLP projections found from the module structure.
     targets: list[dict] | None = None
     # reference (default, for fidelity): each adapter moves its site's activations (by up to 65 % at step 0 on
     # SmolLM2), so the adapted model starts far from the backbone; identity: starts exactly at the backbone.
@@ -107,8 +67,7 @@ class TTAdapterConfig:
         if self.shape_up is not None:
             self._check_shape("shape_up", list(self.shape_up), bottleneck_is_input=True)
         if self.targets is not None:
-            for i, target in enumerate(self.targets):
-                self._check_target(i, target)
+            check_targets(self.targets, "method.adapter.targets")
 
     def _check_shape(self, field: str, shape: list[int], bottleneck_is_input: bool) -> None:
         if len(shape) < 2 or any(not isinstance(k, int) or k < 1 for k in shape):
@@ -128,18 +87,6 @@ class TTAdapterConfig:
                 f"method.adapter.{field}={shape} cannot be split: its {side} modes must multiply to "
                 f"bottleneck={self.bottleneck}"
             ) from None
-
-    def _check_target(self, i: int, target: dict) -> None:
-        if set(target) != {"pattern", "position"}:
-            raise ConfigError(f"method.adapter.targets[{i}]={target} must have exactly the keys 'pattern' and 'position'")
-        if target["position"] not in POSITIONS:
-            raise ConfigError(
-                f"method.adapter.targets[{i}].position={target['position']!r} is unknown; known: {', '.join(POSITIONS)}"
-            )
-        try:
-            re.compile(target["pattern"])
-        except re.error as err:
-            raise ConfigError(f"method.adapter.targets[{i}].pattern={target['pattern']!r} is not a regex: {err}") from None
 
     def check_hidden(self, hidden_size: int) -> None:
         """Fail before loading a model when explicit shapes do not fit ``hidden_size * bottleneck``."""
@@ -256,15 +203,6 @@ class TTAdapter(nn.Module):
         return (x + self.up(self.act(self.down(x)))).to(h.dtype)
 
 
-def linear_features(module: nn.Module) -> tuple[int, int] | None:
-    """(in, out) of a linear-like module (nn.Linear or GPT-2's Conv1D, whose weight is (in, out)); else None."""
-    if isinstance(module, Conv1D):
-        return module.weight.shape[0], module.weight.shape[1]
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features
-    return None
-
-
 class AdaptedLinear(nn.Module):
     """A frozen linear layer with a TT adapter on its input, ``base(A(x))``, or output, ``A(base(x))``."""
 
@@ -289,41 +227,6 @@ class AdaptedLinear(nn.Module):
         return f"position={self.position}"
 
 
-def resolve_targets(model: nn.Module, cfg: TTAdapterConfig) -> list[tuple[str, str]]:
-    """The (pattern, position) list for ``model``: ``cfg.targets`` or the PLACEMENTS entry of its model_type."""
-    if cfg.targets is not None:
-        return [(t["pattern"], t["position"]) for t in cfg.targets]
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in PLACEMENTS:
-        raise ConfigError(
-            f"no TT adapter placement for model_type={model_type!r} (known: {', '.join(sorted(PLACEMENTS))}); "
-            f"set adapter.targets, e.g. [{{pattern: 'mlp\\.down_proj$', position: output}}]"
-        )
-    return PLACEMENTS[model_type][cfg.placement]
-
-
-def match_targets(model: nn.Module, targets: list[tuple[str, str]]) -> dict[str, tuple[nn.Module, str]]:
-    """Linear layers to adapt: module name -> (layer, position). Every pattern must match; none may overlap."""
-    chosen: dict[str, tuple[nn.Module, str]] = {}
-    hits = {pattern: 0 for pattern, _ in targets}
-    for name, module in model.named_modules():
-        if linear_features(module) is None:
-            continue
-        for pattern, position in targets:
-            if re.search(pattern, name):
-                if name in chosen:
-                    raise ConfigError(f"adapter: module {name!r} is matched by more than one target pattern")
-                chosen[name] = (module, position)
-                hits[pattern] += 1
-    missing = [pattern for pattern, n in hits.items() if n == 0]
-    if missing:
-        raise ConfigError(
-            f"adapter: pattern(s) {', '.join(map(repr, missing))} match no linear layer of this model; "
-            f"check adapter.targets or adapter.placement"
-        )
-    return chosen
-
-
 def count_adapters(model: nn.Module) -> int:
     """Number of TT adapters in ``model``."""
     return sum(isinstance(m, TTAdapter) for m in model.modules())
@@ -337,7 +240,7 @@ def add_tt_adapters(model: nn.Module, cfg: TTAdapterConfig, generator: torch.Gen
     ``generator`` (optional) makes their initialization independent of the global RNG.
     """
     model.requires_grad_(False)
-    for name, (base, position) in match_targets(model, resolve_targets(model, cfg)).items():
+    for name, (base, position) in resolve_sites(model, cfg.targets, cfg.placement).items():
         fan_in, fan_out = linear_features(base)
         features = fan_in if position == "input" else fan_out
         down, up = cfg.shapes(features)
