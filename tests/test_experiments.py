@@ -329,3 +329,18 @@ def test_a_setting_is_what_the_run_used():
     masked = setting_of(config("masked"))
     assert setting_of(config("masked", task__causal={"template": "other"}, task__local={"dir": "x"})) == masked
     assert setting_of(config("masked", task__masked={"template": "{s} It was{mask}."})) != masked
+
+
+def test_an_experiment_plan_that_grows_does_not_split_its_runs():
+    """A new arm in an experiment's plan, or a model's placement table moved into its YAML, is not a setting."""
+    from adazeta.rundir import config_differences
+    from adazeta.tables import setting_of
+
+    old = {"seed": 0, "model": {"family": "causal", "name": "m"}, "train": {"max_steps": 4},
+           "arms": {"a": {"grid": [1]}}, "design": {"order": ["a"]}}
+    new = {"seed": 0, "model": {"family": "causal", "name": "m", "placements": {"llama": {"official": []}}},
+           "train": {"max_steps": 4}, "arms": {"a": {"grid": [1]}, "b": {"grid": [2]}}, "design": {"order": ["a", "b"]},
+           "tuning": {"a": {"lr": [1]}}}
+    assert setting_of(old) == setting_of(new)
+    assert config_differences(old, new) == []
+    assert config_differences(old, {**new, "train": {"max_steps": 5}}) == ["train.max_steps: 4 -> 5"]

@@ -34,7 +34,8 @@ LOCK_NAME = ".lock"
 # ``task.version`` neither: the prompt format of the run's family is compared itself (see OTHER_FAMILY).
 NON_RESULT_KEYS = ("force", "dry_run", "verbose", "data.dir", "model.model_dir", "train.eval_batch_size",
                    "train.checkpoint_every", "task.version")
-NON_RESULT_PREFIXES = ("wandb.", "hydra.")
+# placements: fixed data of the model's YAML; arms, design, tuning: an experiment's plan for its driver scripts.
+NON_RESULT_PREFIXES = ("wandb.", "hydra.", "model.placements.", "arms.", "design.", "tuning.")
 # A task's settings for the other model family: a causal run never reads its masked template, and vice versa.
 OTHER_FAMILY = {"causal": ("task.masked.", "task.masked_data."), "masked": ("task.causal.", "task.hub.", "task.local.")}
 HEADLINE_KEYS = ("method.name", "task.name", "model.name", "seed")

@@ -31,7 +31,11 @@ SEED_KEYS = {"seed", "data.seed", "data.kshot_seed"}
 # which a version bump for the other family does not change. ``train.checkpoint_every`` never changes a number.
 IGNORED_KEYS = {"force", "dry_run", "experiment_name", "data.dir", "model.model_dir", "train.eval_batch_size",
                 "train.checkpoint_every", "task.version", "verbose"}
-IGNORED_PREFIXES = ("wandb.", "hydra.")
+# ``model.placements``: the adapter sites by model type, fixed data read from the model's YAML (the recorded
+# ``method.adapter.placement`` and model name say which sites a run used); older records do not hold it.
+# ``arms.``, ``design.``, ``tuning.``: an experiment's plan for its driver scripts (which arms, grids, seeds), not
+# a run's hyper-parameters; a plan that grows (a new arm) must not split the runs it already holds.
+IGNORED_PREFIXES = ("wandb.", "hydra.", "model.placements.", "arms.", "design.", "tuning.")
 
 GROUP = ["experiment", "model", "task", "method"]
 MISSING = "—"
