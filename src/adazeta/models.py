@@ -239,6 +239,22 @@ def architecture_config(cfg: ModelConfig, vocab_size: int | None = None) -> Any:
     return AutoConfig.for_model(model_type, **arch)
 
 
+def pretrained_kwargs(cfg: ModelConfig, source: ModelSource) -> dict[str, Any]:
+    """The ``from_pretrained`` arguments of a source: its GGUF file, and the pinned revision of a Hub model."""
+    kwargs: dict[str, Any] = {}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    if cfg.revision and source.kind == "hub":
+        kwargs["revision"] = cfg.revision
+    return kwargs
+
+
+def first_line(err: BaseException) -> str:
+    """An exception as one short line for a user-facing message: its type and the first line of its text."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:200]}" if text else type(err).__name__
+
+
 def source_config(cfg: ModelConfig) -> Any:
     """The transformers config of the model ``cfg`` names, read from its config.json or GGUF header (no weights)."""
     from transformers import AutoConfig
@@ -252,17 +268,11 @@ def source_config(cfg: ModelConfig) -> Any:
         source = ModelSource("local", str(folder), gguf)
     else:
         source = ModelSource("hub", cfg.hub_id)
-    kwargs: dict[str, Any] = {}
-    if source.gguf_file:
-        kwargs["gguf_file"] = source.gguf_file
-    if cfg.revision and source.kind == "hub":
-        kwargs["revision"] = cfg.revision
     try:
-        return AutoConfig.from_pretrained(source.path, **kwargs)
+        return AutoConfig.from_pretrained(source.path, **pretrained_kwargs(cfg, source))
     except (OSError, ValueError, KeyError) as err:
         what = Path(source.path) / source.gguf_file if source.gguf_file else source.path
-        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"cannot read the model config of {what} ({reason}); check model.hub_id or model.path, "
+        raise ConfigError(f"cannot read the model config of {what} ({first_line(err)}); check model.hub_id or model.path, "
                           "or set model.architecture") from None
 
 
@@ -350,11 +360,7 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> LoadedModel:
     else:
         if source.kind == "local":
             os.environ["HF_HUB_OFFLINE"] = "1"  # a local run must never reach for the Hub
-        kwargs: dict[str, Any] = {}
-        if source.gguf_file:
-            kwargs["gguf_file"] = source.gguf_file
-        if cfg.revision and source.kind == "hub":
-            kwargs["revision"] = cfg.revision
+        kwargs = pretrained_kwargs(cfg, source)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
             model = auto.from_pretrained(source.path, dtype=cfg.torch_dtype, **kwargs)
@@ -363,8 +369,7 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> LoadedModel:
                 raise
             # A local file that passed the header checks but cannot be read: truncated or corrupt contents.
             what = Path(source.path) / (source.gguf_file or "")
-            reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
-            raise ConfigError(f"cannot load the model from {what} ({type(err).__name__}: {reason}); the file may "
+            raise ConfigError(f"cannot load the model from {what} ({first_line(err)}); the file may "
                               "be truncated or corrupt: copy or download it again") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token

@@ -34,18 +34,21 @@ LOCK_NAME = ".lock"
 # ``task.version`` neither: the prompt format of the run's family is compared itself (see OTHER_FAMILY).
 NON_RESULT_KEYS = ("force", "dry_run", "verbose", "data.dir", "model.model_dir", "train.eval_batch_size",
                    "train.checkpoint_every", "task.version")
-# placements: fixed data of the model's YAML; arms, design, tuning: an experiment's plan for its driver scripts.
+# ``model.placements``: fixed data of the model's YAML (the recorded placement and model name say which sites a
+# run used; older records do not hold it). ``arms.``, ``design.``, ``tuning.``: an experiment's plan for its driver
+# scripts, not a run's hyper-parameters: a plan that grows (a new arm) must not split the runs it already holds.
 NON_RESULT_PREFIXES = ("wandb.", "hydra.", "model.placements.", "arms.", "design.", "tuning.")
 # A task's settings for the other model family: a causal run never reads its masked template, and vice versa.
 OTHER_FAMILY = {"causal": ("task.masked.", "task.masked_data."), "masked": ("task.causal.", "task.hub.", "task.local.")}
 HEADLINE_KEYS = ("method.name", "task.name", "model.name", "seed")
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as ``{"train.max_steps": 4, ...}``."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
+            out.update(flatten(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -54,7 +57,7 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def result_settings(config: dict[str, Any]) -> dict[str, Any]:
     """The flattened config minus paths, logging settings and the other family's prompt format: what decides a
     run's numbers."""
-    flat = _flatten(config)
+    flat = flatten(config)
     skip = NON_RESULT_PREFIXES + OTHER_FAMILY.get(flat.get("model.family", "causal"), ())
     return {k: v for k, v in flat.items() if k not in NON_RESULT_KEYS and not k.startswith(skip)}
 

@@ -23,45 +23,21 @@ from typing import Any, Iterable
 import pandas as pd
 
 from adazeta.errors import ConfigError
-from adazeta.rundir import OTHER_FAMILY
+from adazeta.rundir import flatten, result_settings
 
-# Keys that say which run it is (seeds) or where things live, not which hyper-parameters were used.
+# Keys that say which run it is (seeds) or how it is labelled, not which hyper-parameters were used; paths,
+# logging keys and the rest that never change a number are left out by ``rundir.result_settings``.
 SEED_KEYS = {"seed", "data.seed", "data.kshot_seed"}
-# ``task.version`` too: the prompt format the run used is compared itself (``task.causal.*`` or ``task.masked.*``),
-# which a version bump for the other family does not change. ``train.checkpoint_every`` never changes a number.
-IGNORED_KEYS = {"force", "dry_run", "experiment_name", "data.dir", "model.model_dir", "train.eval_batch_size",
-                "train.checkpoint_every", "task.version", "verbose"}
-# ``model.placements``: the adapter sites by model type, fixed data read from the model's YAML (the recorded
-# ``method.adapter.placement`` and model name say which sites a run used); older records do not hold it.
-# ``arms.``, ``design.``, ``tuning.``: an experiment's plan for its driver scripts (which arms, grids, seeds), not
-# a run's hyper-parameters; a plan that grows (a new arm) must not split the runs it already holds.
-IGNORED_PREFIXES = ("wandb.", "hydra.", "model.placements.", "arms.", "design.", "tuning.")
+LABEL_KEYS = {"experiment_name"}
 
 GROUP = ["experiment", "model", "task", "method"]
 MISSING = "—"
 
 
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
 def setting_of(config: dict[str, Any]) -> dict[str, Any]:
-    """The hyper-parameters of a run: its flattened config without seeds, paths, logging keys and the task's
-    settings for the other model family."""
-    flat = flatten(config)
-    skip = IGNORED_PREFIXES + OTHER_FAMILY.get(flat.get("model.family", "causal"), ())
-    return {
-        k: v
-        for k, v in sorted(flat.items())
-        if k not in SEED_KEYS and k not in IGNORED_KEYS and not k.startswith(skip)
-    }
+    """The hyper-parameters of a run: what decides its numbers (``rundir.result_settings``: no paths, logging
+    keys, experiment plan or the other model family's prompt format), without its seeds and label."""
+    return {k: v for k, v in sorted(result_settings(config).items()) if k not in SEED_KEYS | LABEL_KEYS}
 
 
 def setting_id(setting: dict[str, Any]) -> str:
