@@ -22,7 +22,7 @@ DEMO_ARGS ?= method=adazeta task=sst2 model=smollm2-135m method.adapter.init=ide
              data.num_train=1000 data.num_dev=100 data.num_eval=200 wandb.mode=disabled
 
 .PHONY: help setup demo test test-fast dry-run tables figures cpu-convergence cpu-zo cpu-zo-report grad-fidelity \
-        bench-memory bench bench-gpu clean
+        bench-memory bench bench-gpu bench-dist clean
 
 help:
 	@echo "make setup      create $(VENV) and install adazeta with its test extras"
@@ -39,6 +39,7 @@ help:
 	@echo "make bench-memory     peak memory per method on SmolLM2, one batch of 16 SST-2 prompts (a few minutes)"
 	@echo "make bench      speed: forwards, ZO steps, every ZO method, scaling, eval throughput, memory (~25 min CPU)"
 	@echo "make bench-gpu  the bench on one CUDA GPU, bf16, random SmolLM2-135M and ~1B Llama, no files (OUT=folder)"
+	@echo "make bench-dist ZO queries/s on 1 and 2 processes (torchrun, one thread each), Q = 8, all-reduce share"
 
 setup: $(VENV)/.installed
 
@@ -91,6 +92,11 @@ bench: setup
 OUT ?= results/bench/gpu
 bench-gpu: setup
 	OUT=$(abspath $(OUT)) PYTHON=$(BIN)/python scripts/bench_gpu.sh
+
+# e.g. make bench-dist DIST_ARGS="--procs 1 2 4 --threads 2 method=mezo_lora"
+DIST_ARGS ?=
+bench-dist: setup
+	$(BIN)/python -m adazeta.bench_dist $(DIST_ARGS)
 
 clean:
 	rm -rf outputs multirun .pytest_cache

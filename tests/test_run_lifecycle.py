@@ -136,6 +136,28 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_records(method, fixture
         assert resumed[key] == whole[key], key
 
 
+def test_a_schedulers_notice_checkpoints_then_hands_over_to_its_handler(fixture_data, tmp_path, monkeypatch):
+    """SLURM's USR2 before the time limit, or on preemption, with submitit's requeue handler installed."""
+    run_dir = tmp_path / "run"
+    seen = []
+
+    def requeue(signum, frame):  # submitit's handler requeues the job: here, look at what the run saved first
+        record = json.loads((run_dir / "result.json").read_text())
+        seen.append((signum, record["status"], (run_dir / CHECKPOINT).is_file()))
+
+    previous = signal.signal(signal.SIGUSR2, requeue)
+    try:
+        with monkeypatch.context() as m:
+            signal_at_step(m, 3, signal.SIGUSR2)
+            cut = run(cfg(fixture_data), run_dir)
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert cut["status"] == "interrupted" and cut["signal"] == "SIGUSR2" and cut["steps"] == 3
+    assert seen == [(signal.SIGUSR2, "interrupted", True)]  # called once, after the checkpoint and the record
+    resumed = run(cfg(fixture_data), run_dir)  # the requeued job: the same command
+    assert resumed["status"] == "finished" and resumed["resumed_from_step"] == 3
+
+
 def test_a_crash_resumes_from_the_last_periodic_checkpoint(fixture_data, tmp_path, monkeypatch):
     """A killed run (no chance to save at the end) loses only the steps after its last checkpoint."""
     extra = ["method=mezo_lora", "train.checkpoint_every=3"]

@@ -88,13 +88,40 @@ def report_failure(hydra_cfg: Any, line: str) -> None:
         f.write(line.replace("\n", " ") + "\n")
 
 
+def follow(argv: list[str]) -> None:
+    """Rank 1.. of a run on several processes: the same composed config, no run directory or log file of its
+    own (rank 0 runs Hydra, owns the directory and tells the others where it is and what to do)."""
+    from hydra import compose, initialize_config_dir
+
+    from adazeta.run import run
+
+    overrides = [a for a in argv if not a.startswith(("hydra.", "hydra/", "+hydra.", "++hydra."))]
+    try:
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        run(cfg, Path("."), overrides)
+    except ConfigError:
+        sys.exit(2)  # rank 0 prints the one line
+
+
 def main() -> None:
     """Check the overrides (one line and exit 2 for a mistake), run, and sum up a sweep's failed points."""
+    from adazeta.distributed import launch_env
+
     checked = check(sys.argv[1:], config_dir())
     for line in checked.errors:
         print(f"adazeta-run: error: {line}", file=sys.stderr)
     if checked.errors:
         sys.exit(2)
+    where = launch_env()
+    if where is not None and checked.sweep_dir is not None:
+        if where[0] == 0:
+            print("adazeta-run: error: a sweep (-m) cannot run under torchrun: start one torchrun per point, or "
+                  "sweep with hydra/launcher=submitit_slurm and hydra.launcher.tasks_per_node=N", file=sys.stderr)
+        sys.exit(2)
+    if where is not None and where[0] != 0:
+        follow(checked.argv)
+        return
     for line in checked.dropped:
         print(f"adazeta-run: error: {line} (left out of the sweep; the other values run)", file=sys.stderr)
     report = checked.sweep_dir / FAILURES if checked.sweep_dir else None

@@ -69,6 +69,42 @@ def memory_estimate(
     return out
 
 
+def visible_gpus() -> list[float]:
+    """Memory of each visible GPU in GiB (empty on a machine without CUDA)."""
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_properties(i).total_memory / GIB for i in range(torch.cuda.device_count())]
+
+
+def placement(est: dict[str, float], gpus: list[float], device_map: str | None, forward_only: bool,
+              usable: float = 0.9) -> dict[str, Any]:
+    """Where the run fits: one GPU, several through ``model.device_map`` (per-device estimate), or the CPU.
+
+    With a device map the weights are split over the GPUs and each holds about its share plus the activations
+    and ZO noise of the layers it runs (counted in full on every GPU: an upper bound). ``usable``: the share of a
+    GPU's memory the estimate may take (the CUDA context, allocator slack and fragmentation take the rest).
+    """
+    total = est["total"]
+    if not gpus:
+        return {"fits": "cpu", "advice": "no GPU visible: the run uses the CPU and host memory"}
+    if total <= usable * gpus[0] and not device_map:
+        return {"fits": "one_gpu", "advice": f"fits one GPU ({total:.1f} of {gpus[0]:.0f} GiB)"}
+    if not forward_only:
+        return {"fits": "no", "advice": f"needs {total:.1f} GiB, more than one GPU's {gpus[0]:.0f} GiB; a first-order "
+                                       "method cannot use model.device_map: train an adapter or use a ZO method"}
+    rest = total - est["weights"]
+    for n in range(1, len(gpus) + 1):
+        per_device = est["weights"] / n + rest
+        if per_device <= usable * min(gpus[:n]):
+            hint = "" if device_map else "; set model.device_map=auto"
+            return {"fits": f"{n}_gpus", "per_device_gib": round(per_device, 3),
+                    "advice": f"needs model.device_map: about {per_device:.1f} GiB on each of {n} GPU(s){hint}"}
+    per_device = est["weights"] / len(gpus) + rest
+    return {"fits": "offload", "per_device_gib": round(per_device, 3),
+            "advice": f"more than the {len(gpus)} visible GPU(s) hold ({sum(gpus):.0f} GiB): with model.device_map=auto "
+                      "accelerate offloads the rest to the CPU (slow)"}
+
+
 def largest_trainable(model: torch.nn.Module) -> int:
     """Entries of the largest trainable tensor: the size of one ZO noise draw."""
     return max((p.numel() for p in model.parameters() if p.requires_grad), default=0)
@@ -80,6 +116,8 @@ def count_all_adapters(model: torch.nn.Module) -> int:
 
 
 def dry_run(s: "Settings") -> dict[str, Any]:
+    from adazeta.optim.zo_sgd import ZOSGDConfig
+
     model = build_meta_model(s.model)
     model = ADAPTERS.get(s.adapter.kind).builder(model, s.adapter.config)
     total, trainable = count_parameters(model)
@@ -99,9 +137,12 @@ def dry_run(s: "Settings") -> dict[str, Any]:
     print(f"trainable params {trainable:,}")
     print(f"adapters         {record['adapters']}")
     est = record["memory_estimate_gib"]
+    forward_only = s.optimizer is None or isinstance(s.optimizer.config, ZOSGDConfig)
+    record["placement"] = placement(est, visible_gpus(), s.model.device_map, forward_only)
     print(
         "memory estimate  "
         + ", ".join(f"{k} {v:.2f} GiB" for k, v in est.items())
         + f"  ({record['estimate_assumes']})"
     )
+    print(f"placement        {record['placement']['advice']}")
     return record

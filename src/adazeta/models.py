@@ -41,6 +41,9 @@ class ModelConfig:
     architecture: dict[str, Any] | None = None
     dtype: str = "fp32"  # fp32 or bf16 for the backbone; adapters always stay fp32
     device: str = "auto"  # auto picks CUDA when present, else CPU
+    # Spread the model over the visible GPUs (accelerate's dispatch: auto, balanced, balanced_low_0, sequential;
+    # CPU offload as a last resort) instead of loading it on `device`: for models larger than one GPU.
+    device_map: str | None = None
     max_length: int = 512  # prompt + candidate tokens; longer prompts are truncated (scoring.encode)
     model_dir: str | None = None  # local model directory; defaults to $ADAZETA_MODEL_DIR
     revision: str | None = None  # Hub revision, for reproducible downloads
@@ -64,6 +67,8 @@ class ModelConfig:
             check_placements(self.placements, "model.placements")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"model.device={self.device!r} must be auto, cpu, cuda or cuda:N")
+        if self.device_map is not None and self.device_map not in DEVICE_MAPS:
+            raise ConfigError(f"model.device_map={self.device_map!r} must be null or one of {', '.join(DEVICE_MAPS)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -72,6 +77,9 @@ class ModelConfig:
     @property
     def hidden_size(self) -> int | None:
         return architecture_config(self).hidden_size if self.architecture else None
+
+
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 @dataclass
@@ -349,6 +357,7 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> LoadedModel:
     source = resolve_source(cfg)
     device = resolve_device(cfg.device)
     auto = _auto_class(cfg.family)
+    spread = {"device_map": cfg.device_map} if cfg.device_map else {}
     if source.kind == "random":
         tokenizer = byte_tokenizer()
         config = architecture_config(cfg, vocab_size=len(tokenizer))
@@ -363,7 +372,7 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> LoadedModel:
         kwargs = pretrained_kwargs(cfg, source)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
-            model = auto.from_pretrained(source.path, dtype=cfg.torch_dtype, **kwargs)
+            model = auto.from_pretrained(source.path, dtype=cfg.torch_dtype, **kwargs, **spread)
         except (OSError, ValueError, KeyError, EOFError) as err:
             if source.kind != "local":
                 raise
@@ -373,10 +382,35 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> LoadedModel:
                               "be truncated or corrupt: copy or download it again") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    model.to(device=device, dtype=cfg.torch_dtype)
+    if cfg.device_map:
+        if source.kind == "random":
+            model = dispatch(model.to(cfg.torch_dtype), cfg.device_map)
+        device = model.get_input_embeddings().weight.device  # where the inputs go; accelerate moves the rest
+    else:
+        model.to(device=device, dtype=cfg.torch_dtype)
     model.eval()  # dropout off; first-order methods switch to train() themselves
     model.requires_grad_(False)
     return LoadedModel(model, tokenizer, cfg.family, source, device)
+
+
+def dispatch(model: nn.Module, device_map: str) -> nn.Module:
+    """accelerate's dispatch of an in-memory model over the visible GPUs (CPU when there is none or it is full)."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    no_split = getattr(model, "_no_split_modules", None) or []
+    max_memory = None
+    if device_map != "sequential":
+        max_memory = get_balanced_memory(model, no_split_module_classes=no_split,
+                                         low_zero=device_map == "balanced_low_0")
+    placement = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split)
+    return dispatch_model(model, device_map=placement)
+
+
+def device_map_of(model: nn.Module) -> dict[str, str]:
+    """Module name -> device, as accelerate placed the model (empty when it sits on one device)."""
+    placed = getattr(model, "hf_device_map", None)
+    return {k: str(v) for k, v in placed.items()} if placed else {}
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

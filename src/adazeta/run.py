@@ -24,9 +24,19 @@ from torch import nn
 import adazeta.adapters  # noqa: F401  (registers the built-in adapters)
 import adazeta.optim  # noqa: F401  (registers the built-in optimizers)
 from adazeta.adapters import ADAPTERS
+from adazeta import distributed
+from adazeta.distributed import Dist, DistributedConfig, Spread
 from adazeta.errors import ConfigError
 from adazeta.icl import DemonstrationConfig, add_demonstrations_
-from adazeta.models import LoadedModel, ModelConfig, complete_config, count_parameters, load_model, resolve_source
+from adazeta.models import (
+    LoadedModel,
+    ModelConfig,
+    complete_config,
+    count_parameters,
+    device_map_of,
+    load_model,
+    resolve_source,
+)
 from adazeta.optim import OPTIMIZERS
 from adazeta.optim.zo_sgd import ZOSGDConfig
 from adazeta.probe import ProbeConfig, linear_probe
@@ -42,6 +52,7 @@ from adazeta.tasks.spec import TaskSpec
 from adazeta.tracking import (
     DivergenceConfig,
     DivergenceMonitor,
+    SilentTracker,
     Tracker,
     WandbConfig,
     peak_memory_mb,
@@ -86,6 +97,7 @@ class Settings:
     raw: dict[str, Any]  # the composed config, for provenance
     demonstrations: DemonstrationConfig | None = None  # ICL: solved train examples before each prompt
     probe: ProbeConfig | None = None  # LP: a logistic regression on frozen features instead of training
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)  # several processes
 
 
 def _plain(node: Any) -> Any:
@@ -132,6 +144,7 @@ def parse(cfg: DictConfig) -> Settings:
         wandb=make_config(WandbConfig, raw["wandb"], where="wandb"),
         experiment=raw.get("experiment_name"),
         raw=raw,
+        distributed=make_config(DistributedConfig, raw.get("distributed") or {}, where="distributed"),
     )
     settings.model = complete_config(settings.model)  # a model given by hub_id or path: its own config's sizes
     shapes = settings.model.tt_shapes
@@ -191,6 +204,17 @@ def preflight(s: Settings) -> None:
     hidden = s.model.hidden_size
     if hidden and hasattr(s.adapter.config, "check_hidden"):
         s.adapter.config.check_hidden(hidden)
+    if s.model.device_map is not None:
+        if s.optimizer is not None and not isinstance(s.optimizer.config, ZOSGDConfig):
+            raise ConfigError(
+                f"model.device_map={s.model.device_map} spreads the model for forward-only methods (ZO, zero-shot, "
+                f"ICL, LP); method {s.method!r} trains with backward: unset model.device_map (several GPUs: torchrun)"
+            )
+        if distributed.launch_env() is not None:
+            raise ConfigError(
+                f"model.device_map={s.model.device_map} with several processes: each process would spread the model "
+                "over every GPU; use one process with model.device_map, or torchrun without it"
+            )
     if s.dry_run:
         return
     resolve_source(s.model)
@@ -312,27 +336,58 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> d
     if s.dry_run:
         from adazeta.dryrun import dry_run
 
-        return dry_run(s)
-    with claim(run_dir):
-        checkpoint = run_dir / CHECKPOINT
-        if s.force:
-            checkpoint.unlink(missing_ok=True)
-        previous = previous_run(run_dir)
-        if previous is not None and not s.force:
-            status, config = previous
-            differences = config_differences(config, s.raw)
-            if differences:
-                shown = "; ".join(differences[:3]) + (f"; and {len(differences) - 3} more" if len(differences) > 3 else "")
-                raise ConfigError(
-                    f"{run_dir} holds a {status} run with other settings ({shown}); rerun with force=true to "
-                    "replace it, or choose another hydra.run.dir"
-                )
-            if status in ("finished", "diverged"):
-                log.info("skipping: %s already holds a %s result (force=true reruns it)", run_dir, status)
-                return read_result(run_dir / "result.json")
-        write_provenance(run_dir, s.raw, overrides)
-        resume = load_checkpoint(checkpoint) if checkpoint.is_file() else None
-        return execute(s, run_dir, resume)
+        where = distributed.launch_env()
+        return dry_run(s) if where is None or where[0] == 0 else {}  # one report for the whole launch
+    d = distributed.init(s.distributed)
+    if not d.enabled:
+        return _run_claimed(s, run_dir, overrides, d)
+    try:
+        run_dir = Path(distributed.broadcast(str(run_dir)))  # Hydra's timestamped folder: rank 0's
+        if d.is_main:
+            return _run_claimed(s, run_dir, overrides, d)
+        # The other ranks do what rank 0 decided: stop with its error, take its finished result, or run.
+        decision, payload = distributed.broadcast(None)
+        if decision == "error":
+            raise ConfigError(payload)
+        if decision == "skip":
+            return payload
+        resume = load_checkpoint(run_dir / CHECKPOINT) if payload else None
+        return execute(s, run_dir, resume, d)
+    finally:
+        distributed.close()
+
+
+def _run_claimed(s: Settings, run_dir: Path, overrides: list[str] | None, d: Dist) -> dict[str, Any]:
+    """Claim ``run_dir``, skip or resume what it holds, and run (rank 0 of several tells the others which)."""
+    tell = distributed.broadcast if d.enabled else (lambda value: value)
+    try:
+        with claim(run_dir):
+            checkpoint = run_dir / CHECKPOINT
+            if s.force:
+                checkpoint.unlink(missing_ok=True)
+            previous = previous_run(run_dir)
+            if previous is not None and not s.force:
+                status, config = previous
+                differences = config_differences(config, s.raw)
+                if differences:
+                    shown = "; ".join(differences[:3]) + (
+                        f"; and {len(differences) - 3} more" if len(differences) > 3 else "")
+                    raise ConfigError(
+                        f"{run_dir} holds a {status} run with other settings ({shown}); rerun with force=true to "
+                        "replace it, or choose another hydra.run.dir"
+                    )
+                if status in ("finished", "diverged"):
+                    log.info("skipping: %s already holds a %s result (force=true reruns it)", run_dir, status)
+                    return tell(("skip", read_result(run_dir / "result.json")))[1]
+            write_provenance(run_dir, s.raw, overrides)
+            resume = load_checkpoint(checkpoint) if checkpoint.is_file() else None
+            tell(("run", resume is not None))
+            return execute(s, run_dir, resume, d)
+    except ConfigError as err:
+        if d.enabled and not getattr(err, "told", False):
+            err.told = True
+            tell(("error", str(err)))
+        raise
 
 
 CHECKPOINT = "checkpoint.pt"
@@ -376,11 +431,15 @@ def write_provenance(run_dir: Path, raw: dict[str, Any], overrides: list[str] | 
         atomic_write_text(where / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
 
 
-def execute(s: Settings, run_dir: Path, resume: dict[str, Any] | None = None) -> dict[str, Any]:
+def execute(
+    s: Settings, run_dir: Path, resume: dict[str, Any] | None = None, d: Dist = distributed.SINGLE
+) -> dict[str, Any]:
     """Build, train, test and record one run; ``resume``: a checkpoint this run's settings wrote earlier.
 
     SIGTERM / SIGINT end the run ``interrupted`` (checkpointed when it happens during training); a finished or
     diverged run removes its checkpoint. ``result.json`` is written in every case, atomically.
+    Several processes (``d``): every rank trains; rank 0 alone writes files and wandb, and when another rank
+    fails, rank 0 records the run as failed with that rank's error.
     """
     started = time.time()
     code = git_state()  # the code that runs, read before it runs (the tree may change during a long run)
@@ -402,33 +461,44 @@ def execute(s: Settings, run_dir: Path, resume: dict[str, Any] | None = None) ->
     signals = StopSignals()
     try:
         with signals:
-            tracker = _execute(s, run_dir, resume, record, signals)
+            tracker = _execute(s, run_dir, resume, record, signals, d)
     except Interrupted as stop:
         step = f" at step {tracker.last_step}" if tracker is not None and tracker.last_step else ""
         record.update(status="interrupted", signal=stop.name, reason=f"{stop.name}{step}, outside a training step")
     except Exception as err:
-        record.update(reason=f"{type(err).__name__}: {err}")
+        reason = f"{type(err).__name__}: {err}"
+        if d.enabled and not d.is_main:
+            distributed.report_failure(reason)  # for rank 0's record
+            raise
+        peer = distributed.peer_failure() if d.enabled else None
+        record.update(reason=peer or reason)  # a collective broken by another rank's failure: that failure
         raise
     finally:
-        record.update(
-            wall_time_s=round(time.time() - started, 2),
-            git=code,
-            packages=package_versions(),
-            config=s.raw,
-        )
-        try:
-            write_result(run_dir / "result.json", record)
-        finally:
-            if tracker is not None:
-                tracker.summary({k: v for k, v in record.items() if isinstance(v, (int, float, str)) and v is not None})
-                tracker.close(failed=record["status"] == "failed")
-    if record["status"] in ("finished", "diverged"):
+        if d.is_main:  # rank 0 writes the record
+            record.update(
+                wall_time_s=round(time.time() - started, 2),
+                git=code,
+                packages=package_versions(),
+                config=s.raw,
+            )
+            try:
+                write_result(run_dir / "result.json", record)
+            finally:
+                if tracker is not None:
+                    tracker.summary({k: v for k, v in record.items()
+                                     if isinstance(v, (int, float, str)) and v is not None})
+                    tracker.close(failed=record["status"] == "failed")
+        elif tracker is not None:
+            tracker.close()
+    if d.is_main and record["status"] in ("finished", "diverged"):
         checkpoint.unlink(missing_ok=True)  # the result is final: nothing to resume
+    signals.forward()  # a scheduler's notice (SIGUSR2 under submitit): now that all is saved, let it requeue
     return record
 
 
 def _execute(
-    s: Settings, run_dir: Path, resume: dict[str, Any] | None, record: dict[str, Any], signals: StopSignals
+    s: Settings, run_dir: Path, resume: dict[str, Any] | None, record: dict[str, Any], signals: StopSignals,
+    d: Dist = distributed.SINGLE,
 ) -> Tracker:
     """The body of ``execute``: fills ``record`` as it goes; returns the tracker it opened."""
     b = build(s)
@@ -465,11 +535,21 @@ def _execute(
         if getattr(optimizer, "batched_queries", False):  # every trainable parameter must sit in a module that runs replicas
             replica_sites(model, [p for _, p in named])
     record["scoring_layout"] = "packed" if family == "causal" and packing_supported(model) else "rows"
+    zeroth_order = getattr(optimizer, "zeroth_order", False)
+    record.update(distributed.describe(d, s.distributed.mode, zeroth_order))
+    if s.model.device_map:  # which devices accelerate spread the model over
+        record["devices"] = sorted(set(device_map_of(b.loaded.model).values())) or [str(device)]
+    if d.enabled and optimizer is None:
+        log.warning("method %r trains nothing: every one of the %d processes evaluates the same examples",
+                    s.method, d.world_size)
     tags = [f"method:{s.method}", f"task:{s.task.name}", f"model:{s.model.name}"]
     if s.experiment:
         tags.append(f"experiment:{s.experiment}")
-    tracker = Tracker(run_dir, s.wandb, f"{s.method}-{s.task.name}-s{s.seed}", s.raw, tags,
-                      resume=resume["tracker"] if resume else None)
+    if d.is_main:
+        tracker = Tracker(run_dir, s.wandb, f"{s.method}-{s.task.name}-s{s.seed}", s.raw, tags,
+                          resume=resume["tracker"] if resume else None)
+    else:
+        tracker = SilentTracker(resume=resume["tracker"] if resume else None)
     try:
         if s.probe is not None:
             outcome, record["probe"] = linear_probe(
@@ -478,7 +558,7 @@ def _execute(
             )
         else:
             checkpoints = Checkpoints(
-                save=lambda state: save_checkpoint(
+                save=lambda state: d.is_main and save_checkpoint(
                     run_dir / CHECKPOINT, {"config": s.raw, "loop": state, "tracker": tracker.position()}
                 ),
                 resume=resume["loop"] if resume else None,
@@ -502,6 +582,7 @@ def _execute(
                 s.seed,
                 objective=build_objective(s.task, data, enc, tok, s.model.max_length, s.train.eval_batch_size),
                 checkpoints=checkpoints,
+                spread=Spread(d.rank, d.world_size, s.distributed.mode) if d.enabled else None,
             )
             signals.loop = False
     except BaseException:

@@ -30,14 +30,16 @@ from adazeta.errors import ConfigError
 
 LOCK_NAME = ".lock"
 # Keys that say where files live or how a run is logged, not what it computes: they may differ between two
-# commands for the same run. ``train.eval_batch_size`` and ``train.checkpoint_every`` never change a number.
+# commands for the same run. ``train.eval_batch_size``, ``train.checkpoint_every`` and ``model.device_map`` (where the
+# layers sit) never change a number.
 # ``task.version`` neither: the prompt format of the run's family is compared itself (see OTHER_FAMILY).
 NON_RESULT_KEYS = ("force", "dry_run", "verbose", "data.dir", "model.model_dir", "train.eval_batch_size",
-                   "train.checkpoint_every", "task.version")
-# ``model.placements``: fixed data of the model's YAML (the recorded placement and model name say which sites a
+                   "train.checkpoint_every", "task.version", "model.device_map")
+# ``distributed.``: how the work is divided over processes (a data-parallel sum differs from one process only by
+# rounding). ``model.placements``: fixed data of the model's YAML (the recorded placement and model name say which sites a
 # run used; older records do not hold it). ``arms.``, ``design.``, ``tuning.``: an experiment's plan for its driver
 # scripts, not a run's hyper-parameters: a plan that grows (a new arm) must not split the runs it already holds.
-NON_RESULT_PREFIXES = ("wandb.", "hydra.", "model.placements.", "arms.", "design.", "tuning.")
+NON_RESULT_PREFIXES = ("wandb.", "hydra.", "distributed.", "model.placements.", "arms.", "design.", "tuning.")
 # A task's settings for the other model family: a causal run never reads its masked template, and vice versa.
 OTHER_FAMILY = {"causal": ("task.masked.", "task.masked_data."), "masked": ("task.causal.", "task.hub.", "task.local.")}
 HEADLINE_KEYS = ("method.name", "task.name", "model.name", "seed")
@@ -146,13 +148,22 @@ class Interrupted(BaseException):
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# A scheduler's notice that the job's time is nearly up or that it is preempted (SLURM's --signal, which submitit
+# asks for and handles by requeueing the job): a stop signal too, when a handler was installed for it; that
+# handler is called once the run is checkpointed and recorded (``forward``).
+NOTICE_SIGNALS = (signal.SIGUSR2,)
 
 
 class StopSignals:
-    """Within ``with``: SIGTERM / SIGINT set ``requested`` while ``loop`` is true, else raise ``Interrupted``."""
+    """Within ``with``: SIGTERM / SIGINT set ``requested`` while ``loop`` is true, else raise ``Interrupted``.
+
+    SIGUSR2 too when a Python handler was installed for it before (submitit's requeue): ``forward()`` calls that
+    handler after the run has written its checkpoint and record.
+    """
 
     def __init__(self) -> None:
         self.requested: str | None = None
+        self.notice: tuple[int, Any] | None = None  # the notice signal received and its earlier handler
         self.loop = False
         self._previous: dict[int, Any] = {}
 
@@ -162,6 +173,8 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
+        if signum in NOTICE_SIGNALS:
+            self.notice = (signum, self._previous.get(signum))
         if self.loop and self.requested is None:
             self.requested = name  # finish the step, checkpoint, stop
             logging.getLogger("adazeta").warning("%s: stopping after this step (send it again to stop at once)", name)
@@ -173,7 +186,17 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            for sig in NOTICE_SIGNALS:
+                if callable(signal.getsignal(sig)):  # someone acts on the notice: stop cleanly first
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
+
+    def forward(self) -> None:
+        """Hand a received notice signal to the handler it displaced (submitit: requeue the job and exit)."""
+        if self.notice is not None and callable(self.notice[1]):
+            signum, handler = self.notice
+            self.notice = None
+            handler(signum, None)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():

@@ -147,7 +147,8 @@ PLAIN_PROGRESS_ENV = "ADAZETA_PLAIN_PROGRESS"  # set by the CLI in a sweep: log 
 
 def show_progress() -> bool:
     """Bars on a terminal; plain log lines under CI, in a sweep, or when stderr is a file or a pipe."""
-    return sys.stderr.isatty() and not os.environ.get("CI") and not os.environ.get(PLAIN_PROGRESS_ENV)
+    return (sys.stderr.isatty() and not os.environ.get("CI") and not os.environ.get(PLAIN_PROGRESS_ENV)
+            and os.environ.get("RANK", "0") == "0")  # several processes: rank 0 shows the run's progress
 
 
 def quiet_third_party(verbose: bool) -> None:
@@ -336,3 +337,25 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.finish(exit_code=1 if failed else 0)
             self.wandb = None
+
+
+class SilentTracker(Tracker):
+    """The tracker of a run's other ranks (several processes): rank 0 alone writes files and wandb."""
+
+    def __init__(self, resume: dict[str, Any] | None = None):  # noqa: D107  (no files, no wandb)
+        self.run_dir = None
+        self.wandb = None
+        self.wandb_mode = "disabled"
+        self.last_step = resume["last_step"] if resume else 0
+
+    def position(self) -> dict[str, Any]:
+        return {"metrics_rows": 0, "eval_rows": 0, "last_step": self.last_step, "wandb_id": None}
+
+    def log_step(self, row: dict[str, Any]) -> None:
+        self.last_step = max(self.last_step, row["step"])
+
+    def log_eval(self, step: int, split: str, loss: float, accuracy: float, tied: float = 0.0) -> None:
+        self.last_step = max(self.last_step, step)
+
+    def close(self, failed: bool = False) -> None:
+        pass

@@ -5,6 +5,7 @@ Read top to bottom. Everything it needs arrives as typed arguments; it never see
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -16,7 +17,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+from adazeta.distributed import Spread, all_sum_, any_rank
 from adazeta.errors import ConfigError
 from adazeta.evaluate import EvalResult, evaluate
 from adazeta.optim.batched import ReplicaClosure
@@ -138,6 +141,7 @@ def train(
     seed: int,
     objective: Objective | None = None,
     checkpoints: Checkpoints | None = None,
+    spread: Spread | None = None,
 ) -> Outcome:
     """Train for ``cfg.max_steps`` steps (none when ``optimizer`` is None) and evaluate the best-dev state.
 
@@ -146,6 +150,9 @@ def train(
     ``checkpoints``: save the loop's state every ``cfg.checkpoint_every`` steps and when ``stop()`` says so
     (then the run ends ``interrupted``, untested), and continue from ``checkpoints.resume`` when given: every
     number logged after a resume is the one the uninterrupted run logs.
+    ``spread``: the run's processes (``adazeta.distributed``), when it runs on several: ZO steps divide their
+    queries and minibatch over them, first-order steps train through DistributedDataParallel on data shards.
+    Every rank runs this loop on the same data and takes the same decisions.
     """
     ckpt = checkpoints or Checkpoints(save=lambda state: None)
     obj = objective or Objective()
@@ -201,6 +208,10 @@ def train(
                 "best_state": best_state, "monitor": monitor.state_dict(),
             })
 
+        ddp = None
+        if spread is not None and not zeroth_order:  # gradients averaged over the ranks' shards
+            ddp = DistributedDataParallel(LossModule(model), device_ids=[device.index] if device.type == "cuda" else None,
+                                          broadcast_buffers=False)
         progress = Progress(cfg.max_steps, initial=first_step - 1)
         if resume is not None:
             progress.evaluated(best_step, best.accuracy)
@@ -214,19 +225,26 @@ def train(
             start = time.perf_counter()
             if zeroth_order:
                 n_queries = schedule(epoch)
-                batch = collate(chosen, family, pad_id, mask_id).to(device)
                 optimizer.n_queries = n_queries
-                if obj.zo_loss is not None:
-                    loss = optimizer.step(lambda: obj.zo_loss(model, chosen))
+                plan = spread.plan(n_queries, len(chosen)) if spread is not None else None
+                mine = plan.items(chosen) if plan is not None else chosen  # this rank's shard (all: one process)
+                if not mine:  # more ranks than examples: this rank adds nothing to the step's losses
+                    closure = _no_examples
+                elif obj.zo_loss is not None:
+                    closure = functools.partial(obj.zo_loss, model, mine)
                 else:
                     # A ReplicaClosure also lets a batched_queries optimizer score all perturbations at once.
-                    losses = functools.partial(replica_losses, model, batch, family, objective=obj.kind)
-                    loss = optimizer.step(ReplicaClosure(model, losses))
+                    batch = collate(mine, family, pad_id, mask_id).to(device)
+                    closure = ReplicaClosure(
+                        model, functools.partial(replica_losses, model, batch, family, objective=obj.kind)
+                    )
+                loss = optimizer.step(closure, plan=plan) if plan is not None else optimizer.step(closure)
                 forward_passes = optimizer.forward_passes
             else:
                 n_queries = 0
                 loss = first_order_step(
-                    model, optimizer, chosen, cfg.grad_accum, family, pad_id, mask_id, device, obj.kind
+                    model, optimizer, chosen, cfg.grad_accum, family, pad_id, mask_id, device, obj.kind,
+                    ddp=ddp, spread=spread,
                 )
                 forward_passes += cfg.grad_accum
             loss_value = float(loss)  # one host sync per step, never per query
@@ -268,6 +286,8 @@ def train(
             if out_of_budget:
                 break
             signal_name = ckpt.stop()
+            if spread is not None and any_rank(signal_name is not None, device):  # every rank stops at this step
+                signal_name = signal_name or "SIGTERM"
             if signal_name is not None:
                 save(step)
                 progress.close()
@@ -286,6 +306,23 @@ def train(
     return Outcome(status, reason, step, best_step, initial, best, test, forward_passes)
 
 
+def _no_examples() -> torch.Tensor:
+    raise RuntimeError("a rank with an empty shard has no loss to evaluate")  # its plan's weight is 0: never called
+
+
+class LossModule(nn.Module):
+    """The minibatch loss as a module's forward, so that DistributedDataParallel can wrap the scoring."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: Batch | None, family: str, objective: str) -> torch.Tensor:
+        if batch is None:  # an empty shard: zero, but through every trainable parameter
+            return sum(p.sum() for p in self.model.parameters() if p.requires_grad) * 0.0
+        return batch_loss(self.model, batch, family, objective)
+
+
 def first_order_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -296,18 +333,38 @@ def first_order_step(
     mask_id: int | None,
     device: torch.device,
     objective: str = "classification",
+    ddp: DistributedDataParallel | None = None,
+    spread: Spread | None = None,
 ) -> torch.Tensor:
-    """One AdamW step; gradients of all ``grad_accum`` micro-batches are summed (each scaled by its share)."""
+    """One AdamW step; gradients of all ``grad_accum`` micro-batches are summed (each scaled by its share).
+
+    With ``ddp`` (several processes), each rank scores its shard of ``items`` and DDP averages the gradients
+    over the ranks; each shard's loss is scaled by N x its share, so that the average is the whole minibatch's.
+    """
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    size = math.ceil(len(items) / grad_accum)
+    whole, scale = len(items), 1.0
+    if ddp is not None and spread is not None:
+        items = Spread(spread.rank, spread.world_size, "data").plan(1, whole).items(items)
+        scale = float(spread.world_size)
     total = torch.zeros((), device=device)
+    if ddp is not None and not items:  # more ranks than examples: a zero loss still joins the gradient average
+        ddp(None, family, objective).backward()
+    size = math.ceil(len(items) / grad_accum) if items else 1
     for start in range(0, len(items), size):
         micro = items[start : start + size]
         batch = collate(micro, family, pad_id, mask_id).to(device)
-        loss = batch_loss(model, batch, family, objective) * (len(micro) / len(items))
-        loss.backward()
-        total += loss.detach()
+        share = len(micro) / whole * scale
+        if ddp is None:
+            loss = batch_loss(model, batch, family, objective) * share
+            loss.backward()
+        else:  # only the last micro-batch's backward all-reduces the summed gradients
+            with ddp.no_sync() if start + size < len(items) else contextlib.nullcontext():
+                loss = ddp(batch, family, objective) * share
+                loss.backward()
+        total += loss.detach() / scale
+    if ddp is not None:
+        all_sum_(total.reshape(1))
     clip = getattr(optimizer, "grad_clip", None)
     if clip:
         torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], clip)

@@ -317,6 +317,14 @@ class DirectionCache:
             self._kept[seed] = z
         return z
 
+    def keep(self, seeds: Sequence[int]) -> None:
+        """Draw and keep the z of ``seeds``, in order, while they fit: the z that a step drawing them in this
+        order keeps (a rank of several evaluates only some of a step's queries, but updates with all)."""
+        for seed in seeds:
+            if self._size > self._limit or not self.layout.params or (len(self._kept) + 1) * self._size > self._limit:
+                return
+            self.get(seed)
+
     def peek(self, seed: int) -> list[torch.Tensor] | None:
         """The kept z of ``seed``, or None (never draws)."""
         return self._kept.get(seed)

@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from adazeta.distributed import StepPlan, all_sum_
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
 from adazeta.optim.batched import estimate_batched
@@ -121,6 +122,7 @@ class ZOSGD(torch.optim.Optimizer):
         self.forward_passes = 0
         self.last_losses: torch.Tensor | None = None
         self.last_projected_grads: torch.Tensor | None = None
+        self.last_evaluated_seeds: list[int] | None = None  # several processes: the queries this rank evaluated
 
     def masks(self, params: Sequence[torch.Tensor]) -> Masks:
         """Which entries of each parameter to perturb and update; None means all (Sparse-MeZO overrides this)."""
@@ -128,9 +130,15 @@ class ZOSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(  # type: ignore[override]
-        self, closure: Closure | None = None, n_queries: int | None = None
+        self, closure: Closure | None = None, n_queries: int | None = None, plan: StepPlan | None = None
     ) -> torch.Tensor:
-        """One ZO-SGD step; returns the mean of every loss it evaluated (a device tensor), the loss to log."""
+        """One ZO-SGD step; returns the mean of every loss it evaluated (a device tensor), the loss to log.
+
+        ``plan``: this rank's share of the step when the run spans several processes (``adazeta.distributed``):
+        ``closure`` then scores this rank's shard of the minibatch, and the step evaluates only this rank's
+        queries; one all-reduce gives every rank all losses and projected gradients, and every rank applies
+        the whole update from the step's seeds.
+        """
         if closure is None:
             raise ValueError("ZOSGD.step needs a closure that returns the loss (no backward)")
         q = _check_queries(self.n_queries if n_queries is None else n_queries)
@@ -145,7 +153,10 @@ class ZOSGD(torch.optim.Optimizer):
         layout = self._layout = noise_layout(params, self.noise, self._layout)
         cache = DirectionCache(layout, masks, self.KEEP_DIRECTION_BYTES)
 
-        losses, grads = self._estimate(closure, params, seeds, masks, cache)
+        if plan is None:
+            losses, grads = self._estimate(closure, params, seeds, masks, cache)
+        else:
+            losses, grads = self._estimate_share(closure, params, seeds, masks, cache, plan)
         zo_update_(params, seeds, grads, lrs, wds, self.reduction, masks, self.noise, cache, layout)
         del cache
 
@@ -169,42 +180,111 @@ class ZOSGD(torch.optim.Optimizer):
         """
         if cache is None:
             cache = DirectionCache(noise_layout(params, self.noise, self._layout), masks)  # keeps nothing
-        layout = cache.layout
+        if self._replicas(closure):
+            return estimate_batched(closure, params, seeds, self.eps, self.estimator, self.query_chunk, masks, cache)
+        return self._estimate_sequential(closure, params, seeds, masks, cache)
+
+    def _replicas(self, closure: Closure) -> bool:
+        """Whether the losses come from batched forwards over weight replicas (``batched_queries``)."""
         if self.batched_queries:
             if callable(getattr(closure, "replicated", None)):
-                return estimate_batched(
-                    closure, params, seeds, self.eps, self.estimator, self.query_chunk, masks, cache
-                )
+                return True
             if not self._warned_sequential:  # e.g. a generation objective: nothing to replicate
                 log.warning("batched_queries=true, but this closure cannot evaluate weight replicas: sequential")
                 self._warned_sequential = True
-        eps = self.eps
+        return False
+
+    def _estimate_sequential(
+        self,
+        closure: Closure,
+        params: Sequence[torch.Tensor],
+        seeds: Sequence[int],
+        masks: Masks,
+        cache: DirectionCache,
+        evaluated: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward per loss, perturbing the parameters in place; ``evaluated``: the indices of the queries to
+        evaluate (None: all). The others are perturbed and restored without a forward, so that the parameters
+        end with the rounding of the whole step's perturbations, as on a single process."""
+        layout, eps = cache.layout, self.eps
+        wanted = set(range(len(seeds)) if evaluated is None else evaluated)
         losses: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         if self.estimator == "central":
-            for seed in seeds:
+            for i, seed in enumerate(seeds):
                 z = cache.get(seed)  # None: regenerated on every pass
                 perturb_(params, seed, eps, masks, self.noise, z, layout)
-                loss_plus = _as_loss(closure())
+                loss_plus = _as_loss(closure()) if i in wanted else None
                 perturb_(params, seed, -2 * eps, masks, self.noise, z, layout)
-                loss_minus = _as_loss(closure())
+                loss_minus = _as_loss(closure()) if i in wanted else None
                 perturb_(params, seed, eps, masks, self.noise, z, layout)
                 del z
-                losses += [loss_plus, loss_minus]
-                grads.append(projected_gradient(loss_plus, loss_minus, eps))
+                if i in wanted:
+                    losses += [loss_plus, loss_minus]
+                    grads.append(projected_gradient(loss_plus, loss_minus, eps))
         else:
             # One-sided (L(w + eps z) - L(w)) / eps: Q + 1 forwards instead of 2Q, at the price of O(eps) bias.
-            loss_zero = _as_loss(closure())
-            losses.append(loss_zero)
-            for seed in seeds:
+            loss_zero = _as_loss(closure()) if wanted else None
+            if wanted:
+                losses.append(loss_zero)
+            for i, seed in enumerate(seeds):
                 z = cache.get(seed)
                 perturb_(params, seed, eps, masks, self.noise, z, layout)
-                loss_plus = _as_loss(closure())
+                loss_plus = _as_loss(closure()) if i in wanted else None
                 perturb_(params, seed, -eps, masks, self.noise, z, layout)
                 del z
-                losses.append(loss_plus)
-                grads.append((loss_plus - loss_zero) / eps)
+                if i in wanted:
+                    losses.append(loss_plus)
+                    grads.append((loss_plus - loss_zero) / eps)
+        if not losses:
+            empty = torch.zeros(0, device=params[0].device)
+            return empty, empty
         return torch.stack(losses), torch.stack(grads)
+
+    def _estimate_share(
+        self,
+        closure: Closure,
+        params: Sequence[torch.Tensor],
+        seeds: Sequence[int],
+        masks: Masks,
+        cache: DirectionCache,
+        plan: StepPlan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's queries on this rank's shard, summed over the ranks into the whole step's estimate.
+
+        Each rank fills the slots of its queries with its losses and projected gradients times its shard's share
+        of the minibatch (zeros elsewhere); one all-reduce of the 3Q floats completes them on every rank.
+        """
+        q, central = len(seeds), self.estimator == "central"
+        mine = plan.queries(q)
+        n_losses = 2 * q if central else q + 1
+        dtype = torch.promote_types(params[0].dtype, torch.float32)
+        buffer = torch.zeros(n_losses + q, dtype=dtype, device=params[0].device)
+        losses, grads = buffer[:n_losses], buffer[n_losses:]
+        weight = plan.weight
+        evaluates = bool(mine) and weight > 0  # a rank without a query this step, or with an empty shard: zeros
+        if not evaluates:
+            mine = []
+        self.last_evaluated_seeds = [seeds[i] for i in mine]
+        if self._replicas(closure):  # the parameters stay untouched; keep the z a single process keeps
+            cache.keep(seeds)
+            local_losses, local_grads = (
+                estimate_batched(closure, params, [seeds[i] for i in mine], self.eps, self.estimator,
+                                 self.query_chunk, masks, cache) if evaluates else (None, None))
+        else:  # the other ranks' queries are perturbed and restored too: the same rounding on every rank
+            local_losses, local_grads = self._estimate_sequential(closure, params, seeds, masks, cache, mine)
+        if evaluates:
+            at = torch.tensor(mine, device=buffer.device)
+            grads[at] = local_grads.to(dtype) * weight
+            local_losses = local_losses.to(dtype) * weight
+            if central:
+                losses[2 * at], losses[2 * at + 1] = local_losses[0::2], local_losses[1::2]
+            else:
+                if plan.group == 0:  # the unperturbed loss: every group computes it, one group reports it
+                    losses[0] = local_losses[0]
+                losses[1 + at] = local_losses[1:]
+        all_sum_(buffer)
+        return losses, grads
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

@@ -1,0 +1,244 @@
+"""One run on several processes: ``torchrun --nproc_per_node N adazeta-run ...`` (or N SLURM tasks).
+
+A zeroth-order step needs only scalars to cross processes. Every rank holds the whole model and the same
+trainable weights; a step's Q queries and its minibatch are divided over the ranks as ``G`` query groups of ``D``
+data shards each (``G * D = N``, see ``Spread.plan``):
+
+* query-parallel (``D = 1``): rank r evaluates queries r, r + N, ... on the whole minibatch. It draws their
+  directions from the same per-query seeds as a one-process run (``spsa.query_seed(seed, step, q)``), so no two
+  ranks evaluate the same query and the union is exactly the one-process step's queries.
+* data-parallel (``G = 1``): every rank evaluates every query on its shard of the minibatch; each loss is the
+  example-weighted sum of the shards' losses (this is what makes Q = 1 use N processes).
+* both (``1 < G < N``): Q < N queries, each on D shards.
+
+Each rank writes its losses and projected gradients, weighted by its shard's share of the minibatch, into
+vectors of the step's length (zeros elsewhere) and one ``all_reduce(SUM)`` of 3Q floats makes the step's losses
+and projected gradients known to every rank, which then applies the same update from the same seeds. With
+``D = 1`` the sum adds zeros only, so the update is bit for bit the one-process update.
+
+First-order methods train through ``torch.nn.parallel.DistributedDataParallel`` on data shards. Evaluation runs
+on every rank (the same numbers everywhere, so that every rank takes the same decisions); rank 0 alone writes
+files and wandb. A rank that fails leaves its error in the process group's store, where rank 0 reads it to
+record the run as failed with that reason.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from adazeta.errors import ConfigError
+
+log = logging.getLogger("adazeta")
+
+MODES = ("auto", "query", "data")
+ERROR_KEY = "adazeta/failed_rank"
+T = TypeVar("T")
+
+
+@dataclass
+class DistributedConfig:
+    """How a run launched on several processes divides its work (one process: ignored)."""
+
+    # auto: queries over ranks while a step has at least as many queries as ranks (whole groups of ranks per
+    # query otherwise); query: queries only (ranks without a query wait); data: every query on minibatch shards.
+    mode: str = "auto"
+    timeout_s: int = 1800  # a collective that waits this long for a silent rank ends the run
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"distributed.mode={self.mode!r} must be one of {', '.join(MODES)}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int) or self.timeout_s < 1:
+            raise ConfigError(f"distributed.timeout_s={self.timeout_s!r} must be an int >= 1 (seconds)")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One rank's share of one ZO step: its queries (every ``groups``-th from ``group``) and minibatch shard."""
+
+    groups: int
+    shards: int
+    group: int
+    shard: int
+    n_items: int  # the whole minibatch's examples
+
+    @property
+    def weight(self) -> float:
+        """The shard's share of the minibatch (1.0 exactly when the shard is the whole minibatch)."""
+        return 1.0 if self.shards == 1 else len(self.items(range(self.n_items))) / self.n_items
+
+    def queries(self, n_queries: int) -> list[int]:
+        return list(range(self.group, n_queries, self.groups))
+
+    def items(self, items: Sequence[T]) -> list[T]:
+        """This rank's shard: contiguous, sizes differing by at most one (the first shards take the extra)."""
+        size, extra = divmod(len(items), self.shards)
+        start = self.shard * size + min(self.shard, extra)
+        return list(items[start : start + size + (self.shard < extra)])
+
+
+class Spread:
+    """The ranks of a run and how a step's queries and examples are divided over them."""
+
+    def __init__(self, rank: int, world_size: int, mode: str = "auto"):
+        if mode not in MODES:
+            raise ConfigError(f"distributed.mode={mode!r} must be one of {', '.join(MODES)}")
+        self.rank, self.world_size, self.mode = rank, world_size, mode
+
+    def plan(self, n_queries: int, n_items: int) -> StepPlan:
+        n = self.world_size
+        if self.mode == "query":
+            groups = n
+        elif self.mode == "data":
+            groups = 1
+        else:  # the most query groups that divide the ranks evenly and each get a query
+            groups = max(g for g in range(1, n + 1) if n % g == 0 and g <= max(n_queries, 1))
+        shards = n // groups
+        return StepPlan(groups, shards, self.rank // shards, self.rank % shards, n_items)
+
+    def describe(self, n_queries: int) -> str:
+        p = self.plan(n_queries, 1)
+        if p.shards == 1:
+            return "query-parallel"
+        return "data-parallel" if p.groups == 1 else f"query-parallel x data-parallel ({p.groups} x {p.shards})"
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the run: rank 0 of 1 when not launched by torchrun or SLURM tasks."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+SINGLE = Dist()
+
+
+def launch_env() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) from torchrun's variables, or from SLURM's for N tasks; None for one."""
+    env = os.environ
+    if "WORLD_SIZE" in env and "RANK" in env:
+        world = int(env["WORLD_SIZE"])
+        return (int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0))) if world > 1 else None
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env and env.get("SUBMITIT_EXECUTOR") == "slurm":
+        # N tasks of one submitit job (hydra.launcher.tasks_per_node): one run on all of them.
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    return None
+
+
+def _slurm_rendezvous() -> None:
+    """MASTER_ADDR / MASTER_PORT for SLURM tasks started without torchrun: the job's first node."""
+    if "MASTER_ADDR" in os.environ:
+        return
+    import submitit
+
+    env = submitit.JobEnvironment()
+    os.environ["MASTER_ADDR"] = env.hostnames[0]
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
+
+
+def init(cfg: DistributedConfig | None = None) -> Dist:
+    """Join the run's process group when launched on several processes (NCCL on GPUs, gloo on CPUs)."""
+    where = launch_env()
+    if where is None:
+        return SINGLE
+    rank, world, local = where
+    if dist.is_initialized():
+        return Dist(rank, world, local, dist.get_backend())
+    if "WORLD_SIZE" not in os.environ:
+        _slurm_rendezvous()
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    timeout = datetime.timedelta(seconds=(cfg or DistributedConfig()).timeout_s)
+    dist.init_process_group(backend, timeout=timeout)
+    return Dist(rank, world, local, backend)
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast(value: T, src: int = 0) -> T:
+    """``value`` as rank ``src`` has it, on every rank (any picklable object)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when ``flag`` is true on any (a signal seen by one rank stops all at the same step)."""
+    if not dist.is_initialized():
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=_comm_device(device))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _comm_device(device: torch.device) -> torch.device:
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_sum_(vector: torch.Tensor) -> torch.Tensor:
+    """Sum ``vector`` over the ranks in place (gloo reduces on the host: a round trip for Q floats)."""
+    if not dist.is_initialized():
+        return vector
+    comm = _comm_device(vector.device)
+    if comm == vector.device:
+        dist.all_reduce(vector)
+        return vector
+    host = vector.to(comm)
+    dist.all_reduce(host)
+    return vector.copy_(host)
+
+
+def report_failure(message: str) -> None:
+    """Leave this rank's error where rank 0 can read it (the store outlives a failed rank under torchrun)."""
+    if not dist.is_initialized():
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(ERROR_KEY, f"rank {dist.get_rank()}: {message}")
+    except Exception:  # the store went away with the group: torchrun's own log still names the failure
+        log.debug("could not leave the error in the store", exc_info=True)
+
+
+def peer_failure(wait_s: float = 5.0) -> str | None:
+    """The error another rank left (waiting up to ``wait_s`` for it to arrive), or None."""
+    if not dist.is_initialized():
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.wait([ERROR_KEY], datetime.timedelta(seconds=wait_s))
+        return store.get(ERROR_KEY).decode()
+    except Exception:
+        return None
+
+
+def describe(d: Dist, spread_mode: str, zeroth_order: bool) -> dict[str, Any]:
+    """What result.json records about the processes a run used."""
+    if not d.enabled:
+        return {"world_size": 1, "parallel": "none"}
+    return {"world_size": d.world_size, "backend": d.backend,
+            "parallel": (f"zo:{spread_mode}" if zeroth_order else "ddp")}

@@ -1,0 +1,83 @@
+"""A worker for tests/test_distributed.py, launched as ``python -m torch.distributed.run ... dist_worker.py``.
+
+    dist_worker.py train OUT_DIR OVERRIDE...   build the run's pieces, train them, write OUT_DIR/rank{R}.pt:
+                                               the trainable state and the queries each step evaluated
+    dist_worker.py run RUN_DIR FAIL_STEP OVERRIDE...
+                                               the whole run (adazeta.run.run); rank 1 raises at FAIL_STEP
+                                               (0: never), to check that one record names the failure
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from adazeta import distributed
+from adazeta.distributed import Spread
+from adazeta.run import build, compose_settings, seed_everything
+from adazeta.scoring import batches
+from adazeta.tasks.objectives import build_objective
+from adazeta.tracking import DivergenceMonitor, SilentTracker
+from adazeta.train import train, trainable_state
+
+
+def train_and_save(out: Path, overrides: list[str]) -> None:
+    s = compose_settings(overrides)
+    d = distributed.init(s.distributed)
+    seed_everything(s.seed)  # as adazeta.run.execute does
+    b = build(s)
+    tok = b.tokenizer
+    evaluated: list[list[int]] = []
+    step = b.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        loss = step(*args, **kwargs)
+        seeds = getattr(b.optimizer, "last_evaluated_seeds", None)
+        evaluated.append(list(seeds) if seeds is not None else [])
+        return loss
+
+    b.optimizer.step = recording_step
+
+    def collated(split):
+        return [x.to(b.device) for x in batches(b.enc[split], s.train.eval_batch_size, b.family, tok, sort=True)]
+
+    outcome = train(
+        b.model, b.family, b.optimizer, b.schedule, b.enc["train"], collated("dev"), collated("eval"), s.train,
+        SilentTracker(), DivergenceMonitor(s.divergence), b.device, tok.pad_token_id,
+        getattr(tok, "mask_token_id", None), s.seed,
+        objective=build_objective(s.task, b.data, b.enc, tok, s.model.max_length, s.train.eval_batch_size),
+        spread=Spread(d.rank, d.world_size, s.distributed.mode) if d.enabled else None,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"trainable": trainable_state(b.model), "evaluated": evaluated, "steps": outcome.steps,
+                "forward_passes": outcome.forward_passes}, out / f"rank{d.rank}.pt")
+    distributed.close()
+
+
+def run_with_fault(run_dir: Path, fail_step: int, overrides: list[str]) -> None:
+    import os
+
+    import adazeta.train as train_module
+    from adazeta.run import run
+    from conftest import compose_cfg  # this script's folder is on sys.path
+
+    if fail_step and int(os.environ.get("RANK", "0")) == 1:
+        progress_step = train_module.Progress.step
+
+        def failing(self, step, *args):
+            if step == fail_step:
+                raise RuntimeError(f"injected fault at step {step}")
+            return progress_step(self, step, *args)
+
+        train_module.Progress.step = failing
+    run(compose_cfg(overrides), run_dir, overrides)
+
+
+if __name__ == "__main__":
+    mode, target, *rest = sys.argv[1:]
+    if mode == "train":
+        train_and_save(Path(target), rest)
+    else:
+        run_with_fault(Path(target), int(rest[0]), rest[1:])

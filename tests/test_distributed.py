@@ -1,0 +1,209 @@
+"""One run on two processes (torchrun, gloo on CPU) against the same run on one: the same update, no query twice."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from adazeta.distributed import DistributedConfig, Spread, StepPlan
+from adazeta.errors import ConfigError
+from adazeta.optim.spsa import query_seed
+from adazeta.run import run
+from conftest import ROOT, compose_cfg, tiny_overrides
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+
+def launch(nproc: int, *args: str, module: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node nproc`` (one thread per process) of the worker or of the CLI."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}"}
+    target = ["-m", "adazeta.cli"] if module else [str(WORKER)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+# --- how a step is divided -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("mode", ["auto", "query", "data"])
+@pytest.mark.parametrize("n_queries", [1, 2, 3, 4, 5, 8])
+def test_every_query_and_example_is_evaluated_exactly_once_over_the_ranks(world, mode, n_queries):
+    n_items = 7
+    plans = [Spread(r, world, mode).plan(n_queries, n_items) for r in range(world)]
+    covered = [(q, x) for p in plans for q in p.queries(n_queries) for x in p.items(list(range(n_items)))]
+    assert sorted(covered) == [(q, x) for q in range(n_queries) for x in range(n_items)]
+    for q in range(n_queries):  # the shards of a query weigh the whole minibatch
+        assert sum(p.weight for p in plans if q in p.queries(n_queries)) == pytest.approx(1.0)
+    if mode == "query" or (mode == "auto" and n_queries % world == 0):
+        assert all(p.shards == 1 and p.weight == 1.0 for p in plans)  # queries only: nothing but zeros added
+
+
+def test_auto_spreads_queries_when_there_are_enough_and_shards_data_otherwise():
+    assert Spread(0, 2, "auto").describe(4) == "query-parallel"
+    assert Spread(0, 2, "auto").describe(1) == "data-parallel"
+    assert Spread(0, 4, "auto").describe(2) == "query-parallel x data-parallel (2 x 2)"
+    assert StepPlan(1, 2, 0, 1, 5).items(list("abcde")) == ["d", "e"]  # contiguous; the first shard takes the extra
+
+
+def test_bad_distributed_settings_are_one_line_errors():
+    with pytest.raises(ConfigError, match=r"distributed.mode='rows' must be one of auto, query, data"):
+        DistributedConfig(mode="rows")
+    with pytest.raises(ConfigError, match=r"distributed.timeout_s=0 must be an int >= 1"):
+        DistributedConfig(timeout_s=0)
+
+
+# --- two processes against one ----------------------------------------------------------------------------------
+
+CASES = {
+    "adazeta-query": ["method=adazeta", "schedule=constant", "schedule.q=4", "distributed.mode=query"],
+    "adazeta-auto-q3-batched": ["method=adazeta", "schedule=constant", "schedule.q=3",
+                                "method.optimizer.batched_queries=true"],
+    "mezo_lora-data": ["method=mezo_lora", "distributed.mode=data"],
+    "lora-ddp": ["method=lora", "method.optimizer.lr=1e-2"],
+}
+
+
+def _train(tmp_path: Path, nproc: int, name: str, fixture_data: Path) -> list[dict]:
+    out = tmp_path / f"{name}-{nproc}"
+    overrides = tiny_overrides(fixture_data, "train.max_steps=6", "train.eval_every=3", *CASES[name])
+    if nproc == 1:  # a plain process, as a user runs it
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}"}
+        done = subprocess.run([sys.executable, str(WORKER), "train", str(out), *overrides], env=env,
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+    else:
+        done = launch(nproc, "train", str(out), *overrides)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_processes_make_the_one_process_update(name, fixture_data, tmp_path):
+    (one,) = _train(tmp_path, 1, name, fixture_data)
+    two = _train(tmp_path, 2, name, fixture_data)
+    assert one["steps"] == two[0]["steps"] == 6 and one["forward_passes"] == two[0]["forward_passes"]
+    for rank in two:  # every rank holds the same weights as the other, and as one process (fp32, 1e-6)
+        assert rank["trainable"].keys() == one["trainable"].keys()
+        for key, value in one["trainable"].items():
+            assert torch.equal(rank["trainable"][key], two[0]["trainable"][key]), key
+            torch.testing.assert_close(rank["trainable"][key], value, rtol=1e-6, atol=1e-6, msg=key)
+    moved = [k for k, v in one["trainable"].items() if v.abs().sum() > 0]
+    assert moved, "the run must have trained something for the comparison to mean anything"
+    if name == "adazeta-query":
+        # Query-parallel: exactly the one-process numbers, and no query evaluated twice or skipped.
+        for key, value in one["trainable"].items():
+            assert torch.equal(two[0]["trainable"][key], value), key
+        for step, (a, b) in enumerate(zip(two[0]["evaluated"], two[1]["evaluated"])):
+            assert not set(a) & set(b), f"step {step}: both ranks evaluated {set(a) & set(b)}"
+            assert sorted(a + b) == sorted(query_seed(0, step, q) for q in range(4))
+            assert len(a) == len(b) == 2
+
+
+# --- the whole command ------------------------------------------------------------------------------------------
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_torchrun_adazeta_run_writes_one_record_from_rank_zero(fixture_data, tmp_path):
+    overrides = tiny_overrides(fixture_data, "method=adazeta", "schedule=constant", "schedule.q=2")
+    single = tmp_path / "single"
+    one = run(compose_cfg(overrides), single, overrides)
+    done = launch(2, *overrides, f"hydra.run.dir={tmp_path / 'two'}", module=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "result.json").read_text())
+    assert (two["world_size"], two["parallel"], two["backend"]) == (2, "zo:auto", "gloo")
+    assert (one["world_size"], one["parallel"]) == (1, "none")
+    assert two["status"] == "finished" and two["test_accuracy"] == one["test_accuracy"]
+    assert _rows(tmp_path / "two" / "eval.csv") == _rows(single / "eval.csv")
+    losses = lambda d: [r["loss"] for r in _rows(d / "metrics.csv")]  # noqa: E731
+    assert losses(tmp_path / "two") == losses(single)
+    # Rank 0's files only: the same as one process, plus Hydra's log of the command, with one writer.
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted([*(p.name for p in single.iterdir()),
+                                                                           "cli.log"])
+    assert (tmp_path / "two" / "cli.log").read_text().count("finished after") == 1
+    # Run again: rank 0 finds the finished run and both processes skip it.
+    again = launch(2, *overrides, f"hydra.run.dir={tmp_path / 'two'}", module=True)
+    assert again.returncode == 0 and "skipping" in again.stdout + again.stderr
+
+
+def test_a_failure_on_another_rank_ends_the_run_with_one_record_naming_it(fixture_data, tmp_path):
+    overrides = tiny_overrides(fixture_data, "method=mezo_lora", "train.max_steps=8")
+    done = launch(2, "run", str(tmp_path / "run"), "3", *overrides)
+    assert done.returncode != 0
+    record = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert record["status"] == "failed" and record["world_size"] == 2
+    assert "rank 1: RuntimeError: injected fault at step 3" in record["reason"]
+
+
+# --- models larger than one GPU ---------------------------------------------------------------------------------
+
+def test_placement_says_when_a_model_needs_several_gpus_and_estimates_each():
+    from adazeta.dryrun import placement
+
+    est = {"weights": 12.5, "activations": 1.4, "gradients": 0.0, "optimizer_state": 0.0, "zo_noise": 0.1,
+           "total": 14.0}
+    assert placement(est, [], None, True)["fits"] == "cpu"
+    assert placement(est, [80.0], None, True)["fits"] == "one_gpu"
+    two = placement(est, [10.0, 10.0, 10.0], None, True)  # 12.5 / 2 + 1.5 = 7.75 GiB <= 0.9 x 10 on each of two
+    assert two["fits"] == "2_gpus" and two["per_device_gib"] == pytest.approx(7.75)
+    assert "set model.device_map=auto" in two["advice"]
+    assert placement(est, [4.0, 4.0], "auto", True)["fits"] == "offload"
+    assert "first-order method cannot use model.device_map" in placement(est, [10.0], None, False)["advice"]
+
+
+def test_device_map_auto_gives_the_same_run_and_records_the_devices(fixture_data, tmp_path):
+    overrides = tiny_overrides(fixture_data, "method=mezo_lora")
+    plain = run(compose_cfg(overrides), tmp_path / "plain", overrides)
+    spread = run(compose_cfg([*overrides, "model.device_map=auto"]), tmp_path / "map", overrides)
+    assert spread["devices"] == ["cpu"] and "devices" not in plain  # no GPU here: accelerate keeps it on the CPU
+    assert _rows(tmp_path / "map" / "eval.csv") == _rows(tmp_path / "plain" / "eval.csv")
+
+
+def test_device_map_is_refused_for_backward_and_for_several_processes(fixture_data, tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="method 'lora' trains with backward: unset model.device_map"):
+        run(compose_cfg(tiny_overrides(fixture_data, "method=lora", "model.device_map=auto")), tmp_path / "a")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match="model.device_map=auto with several processes"):
+        run(compose_cfg(tiny_overrides(fixture_data, "method=mezo_lora", "model.device_map=auto")), tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before any work
+
+
+def test_slurm_tasks_of_one_job_run_one_experiment_without_torchrun(fixture_data, tmp_path):
+    """Two SLURM tasks (what hydra.launcher.tasks_per_node=2 starts) find each other from SLURM's variables."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    overrides = tiny_overrides(fixture_data, "method=mezo_lora", f"hydra.run.dir={tmp_path / 'run'}")
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_NTASKS": "2", "SLURM_PROCID": str(rank),
+               "SLURM_LOCALID": str(rank), "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "4321",
+               "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "SUBMITIT_EXECUTOR": "slurm",
+               "MASTER_PORT": str(port), "PYTHONPATH": str(ROOT / "src")}
+        for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR"):
+            env.pop(key, None)
+        procs.append(subprocess.Popen([sys.executable, "-m", "adazeta.cli", *overrides], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    record = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert (record["world_size"], record["parallel"], record["status"]) == (2, "zo:auto", "finished")
+
+
+def test_a_sweep_under_torchrun_is_one_line_and_runs_nothing(fixture_data, tmp_path):
+    done = launch(2, "-m", *tiny_overrides(fixture_data, "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep'}"),
+                  module=True)
+    assert done.returncode != 0
+    assert "a sweep (-m) cannot run under torchrun" in done.stderr
+    assert not (tmp_path / "sweep").exists()
