@@ -79,6 +79,17 @@ PROMPT_LENGTHS = {
 }
 CANDIDATES = {"sst2": [[13321], [1109]], "rte": [[10539], [5230]]}
 NOISE = "per_tensor"  # the ZO optimizers' noise stream (--noise)
+QUERY_MEMORY = 0.05  # query_chunk=auto's memory budget (--query-memory)
+
+
+def chunk_arg(value: str) -> int | str:
+    """``--chunks`` values: an int >= 1, or auto (chosen per batch from --query-memory)."""
+    if value == "auto":
+        return value
+    chunk = int(value)
+    if chunk < 1:
+        raise argparse.ArgumentTypeError(f"chunk {value} must be >= 1 or auto")
+    return chunk
 ZO_METHODS = ["mezo", "sparse_mezo", "mezo_lora", "mezo_adapter", "adazeta"]
 COLUMNS = ["section", "measurement", "setting", "median", "min", "max", "unit", "runs"]
 TARGETS = {"s_per_query": 2.0, "step_over_forwards": 1.02, "memory_over_inference": 1.05}
@@ -191,10 +202,10 @@ def adapter_config_for(s: Any, args: argparse.Namespace) -> Any:
     return cfg
 
 
-def zo_optimizer(setup: Setup, batched: bool, chunk: int, n_queries: int) -> torch.optim.Optimizer:
+def zo_optimizer(setup: Setup, batched: bool, chunk: int | str, n_queries: int) -> torch.optim.Optimizer:
     named = [(n, p) for n, p in setup.model.named_parameters() if p.requires_grad]
     cfg = dataclasses.replace(setup.settings.optimizer.config, batched_queries=batched, query_chunk=chunk,
-                              noise=NOISE)
+                              noise=NOISE, query_memory=QUERY_MEMORY)
     opt = OPTIMIZERS.get(setup.settings.optimizer.kind).builder(named, cfg, setup.settings.seed)
     opt.n_queries = n_queries
     return opt
@@ -347,7 +358,7 @@ def measure_speed(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     del model
     model = setup.model = adapted_model
 
-    closure = ReplicaClosure(model, functools.partial(replica_losses, model, batch, "causal"))
+    closure = ReplicaClosure(model, functools.partial(replica_losses, model, batch, "causal"), batch)
     for q in args.queries:
         opts = {"sequential": zo_optimizer(setup, False, 1, q)}
         n_forwards = 2 * q if opts["sequential"].estimator == "central" else q + 1
@@ -460,13 +471,14 @@ def memory_phase(args: argparse.Namespace) -> dict[str, Any]:
     setup = build(args, method=chunk if phase == "method" else "adazeta")
     model, device = setup.model, setup.device
     batch = collate(setup.items, "causal", setup.tokenizer.pad_token_id).to(device)
-    closure = ReplicaClosure(model, functools.partial(replica_losses, model, batch, "causal"))
+    closure = ReplicaClosure(model, functools.partial(replica_losses, model, batch, "causal"), batch)
+    opt = None
     if phase == "inference":
         def run() -> None:
             with torch.inference_mode():
                 float(batch_loss(model, batch, "causal"))
     elif phase in ("adazeta", "adazeta_batched"):
-        opt = zo_optimizer(setup, phase == "adazeta_batched", int(chunk or 1), args.memory_queries)
+        opt = zo_optimizer(setup, phase == "adazeta_batched", chunk_arg(chunk or "1"), args.memory_queries)
         run = lambda: float(opt.step(closure))  # noqa: E731
     elif phase == "method":  # the method's own config, Q = 1, sequential
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -503,7 +515,8 @@ def memory_phase(args: argparse.Namespace) -> dict[str, Any]:
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"phase": args.phase, "peak_mb": peak, "baseline_mb": baseline, "measure": measure}
+    chosen = getattr(opt, "last_chunk", None)  # batched: the replicas per forward (auto's choice)
+    return {"phase": args.phase, "peak_mb": peak, "baseline_mb": baseline, "measure": measure, "chunk": chosen}
 
 
 def measure_memory(args: argparse.Namespace, report: Report) -> None:
@@ -525,6 +538,9 @@ def measure_memory(args: argparse.Namespace, report: Report) -> None:
                    for c in args.chunks})
     labels.update({f"method:{m}": f"{m} step, Q=1, sequential" for m in args.methods})
     for phase, res in results.items():
+        if phase == "adazeta_batched:auto":
+            labels[phase] += f": {res['chunk']} per forward within query_memory {QUERY_MEMORY}"
+            report.add("memory", "query_chunk=auto chose", labels[phase], res["chunk"], "replicas per forward")
         report.add("memory", "peak memory", labels[phase], res["peak_mb"], f"MB ({res['measure']})")
         report.add("memory", "peak memory / inference", labels[phase], res["peak_mb"] / base, "x")
         report.add("memory", "above the loaded model", labels[phase], res["peak_mb"] - res["baseline_mb"], "MB")
@@ -585,8 +601,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, one per core)")
     parser.add_argument("--queries", type=int, nargs="+", default=[1, 4, 8])
-    parser.add_argument("--chunks", type=int, nargs="+", default=[4, 8],
-                        help="batched queries: loss evaluations per forward (one batched variant per value)")
+    parser.add_argument("--chunks", type=chunk_arg, nargs="+", default=[4, 8],
+                        help="batched queries: loss evaluations per forward (one batched variant per value), or "
+                             "auto: chosen per batch within --query-memory x the inference forward's memory")
+    parser.add_argument("--query-memory", type=float, default=0.05, help="query_chunk=auto's memory budget")
+    parser.add_argument("--only-memory", action="store_true", help="the memory phases alone (no timings)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median, min, max)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--eval-examples", type=int, default=64)
@@ -598,8 +617,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench")
     parser.add_argument("--phase", help=argparse.SUPPRESS)  # internal: one memory phase, e.g. adazeta_batched:4
     args = parser.parse_args()
-    global NOISE
-    NOISE = args.noise
+    global NOISE, QUERY_MEMORY
+    NOISE, QUERY_MEMORY = args.noise, args.query_memory
     offline_env()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -611,7 +630,7 @@ def main() -> None:
     report = Report()
     print(f"bench: {args.model} ({args.dtype}), batch {args.batch_size}, {args.repeats} repeats after "
           f"{args.warmup} warm-up; load average {load_before[0]:.2f} on {os.cpu_count()} CPUs", file=sys.stderr)
-    info = measure_speed(args, report)
+    info = {} if args.only_memory else measure_speed(args, report)
     if not args.skip_memory:
         measure_memory(args, report)
     load_after = os.getloadavg()

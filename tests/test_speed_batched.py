@@ -194,3 +194,42 @@ def test_batched_run_equals_sequential_run_and_is_recorded(fixture_data, tmp_pat
         assert bat[key] == seq[key]
     stored = json.loads((tmp_path / "True" / "result.json").read_text())
     assert stored["config"]["method"]["optimizer"]["batched_queries"] is True
+
+
+def test_auto_chunk_takes_as_many_replicas_as_the_memory_budget_allows():
+    from adazeta.optim.batched import auto_chunk, forward_bytes
+
+    model, batch = adapted("tt")
+    closure = ReplicaClosure(model, functools.partial(replica_losses, model, batch, "causal"), batch)
+    params = trainable(model)
+    one = forward_bytes(model, batch)
+    assert one > 0 and forward_bytes(model, batch.repeat(2)) == pytest.approx(2 * one, rel=0.05)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    copy_ = sum(p.numel() * p.element_size() for p in params)
+    chunks = [auto_chunk(closure, params, budget, 64) for budget in (1e-6, 0.05, 0.5, 2.0, 1e6)]
+    assert chunks[0] == 1 and chunks[-1] == 64 and chunks == sorted(chunks)
+    for budget, chunk in zip((1e-6, 0.05, 0.5, 2.0), chunks):  # the largest chunk within the budget
+        extra = lambda r: (r - 1) * one + r * copy_  # noqa: E731
+        assert chunk == 1 or extra(chunk) <= budget * (weights + one)
+        assert extra(chunk + 1) > budget * (weights + one)
+
+
+@pytest.mark.parametrize("budget, expected", [(1e-6, 1), (1e6, 6)])
+def test_an_auto_chunked_step_equals_the_sequential_step(budget, expected):
+    model, batch = adapted("tt")
+    twin = copy.deepcopy(model)
+    seq = one_step(model, batch, batched=False, chunk=4)
+    opt = ZOSGD(trainable(twin), lr=1e-2, eps=5e-2, seed=5, n_queries=3, batched_queries=True,
+                query_chunk="auto", query_memory=budget)
+    opt.step(ReplicaClosure(twin, functools.partial(replica_losses, twin, batch, "causal"), batch))
+    assert min(opt.last_chunk, 6) == expected  # 6 evaluations in all: a larger chunk is one forward
+    torch.testing.assert_close(opt.last_losses, seq.last_losses, atol=1e-6, rtol=1e-6)
+    for a, b in zip(trainable(model), trainable(twin)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("memory", [0, -0.1, "lots", True])
+def test_bad_query_memory_is_one_config_error(memory):
+    assert ZOSGDConfig(query_chunk="auto").query_chunk == "auto"
+    with pytest.raises(ConfigError, match="query_memory"):
+        ZOSGDConfig(query_memory=memory)

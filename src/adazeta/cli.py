@@ -43,6 +43,15 @@ def _main(cfg: DictConfig) -> float | None:
 
         os.environ[PLAIN_PROGRESS_ENV] = "1"
     run_dir = Path(hydra_cfg.runtime.output_dir)
+    from adazeta.distributed import launch_env
+
+    where = launch_env()
+    if where is not None and where[0] != 0:  # another task of a multi-task SLURM job: rank 0 reports
+        try:
+            run(cfg, run_dir, list(hydra_cfg.overrides.task))
+        except ConfigError:
+            pass
+        return None
     try:
         record = run(cfg, run_dir, list(hydra_cfg.overrides.task))
     except ConfigError as err:

@@ -53,7 +53,10 @@ def memory_estimate(
     first_order = cfg is not None and not zeroth_order
     activations = per_layer * (layers if first_order else 2)
     if zeroth_order and getattr(cfg, "batched_queries", False):
-        activations *= cfg.query_chunk  # one forward over up to query_chunk copies of the minibatch
+        if cfg.query_chunk == "auto":  # as many copies as fit in query_memory x the inference forward's memory
+            activations += cfg.query_memory * (weights + activations)
+        else:
+            activations *= cfg.query_chunk  # one forward over up to query_chunk copies of the minibatch
     grads = trainable * trained_width if first_order else 0
     state = 0
     if isinstance(cfg, AdamWConfig):

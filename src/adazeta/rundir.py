@@ -31,10 +31,11 @@ from adazeta.errors import ConfigError
 LOCK_NAME = ".lock"
 # Keys that say where files live or how a run is logged, not what it computes: they may differ between two
 # commands for the same run. ``train.eval_batch_size``, ``train.checkpoint_every`` and ``model.device_map`` (where the
-# layers sit) never change a number.
+# layers sit) never change a number; ``method.optimizer.query_memory`` (how many replicas ``query_chunk=auto`` puts in one
+# forward) changes the batched forwards' rounding only.
 # ``task.version`` neither: the prompt format of the run's family is compared itself (see OTHER_FAMILY).
 NON_RESULT_KEYS = ("force", "dry_run", "verbose", "data.dir", "model.model_dir", "train.eval_batch_size",
-                   "train.checkpoint_every", "task.version", "model.device_map")
+                   "train.checkpoint_every", "task.version", "model.device_map", "method.optimizer.query_memory")
 # ``distributed.``: how the work is divided over processes (a data-parallel sum differs from one process only by
 # rounding). ``model.placements``: fixed data of the model's YAML (the recorded placement and model name say which sites a
 # run used; older records do not hold it). ``arms.``, ``design.``, ``tuning.``: an experiment's plan for its driver

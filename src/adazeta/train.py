@@ -225,7 +225,6 @@ def train(
             start = time.perf_counter()
             if zeroth_order:
                 n_queries = schedule(epoch)
-                optimizer.n_queries = n_queries
                 plan = spread.plan(n_queries, len(chosen)) if spread is not None else None
                 mine = plan.items(chosen) if plan is not None else chosen  # this rank's shard (all: one process)
                 if not mine:  # more ranks than examples: this rank adds nothing to the step's losses
@@ -236,9 +235,9 @@ def train(
                     # A ReplicaClosure also lets a batched_queries optimizer score all perturbations at once.
                     batch = collate(mine, family, pad_id, mask_id).to(device)
                     closure = ReplicaClosure(
-                        model, functools.partial(replica_losses, model, batch, family, objective=obj.kind)
+                        model, functools.partial(replica_losses, model, batch, family, objective=obj.kind), batch
                     )
-                loss = optimizer.step(closure, plan=plan) if plan is not None else optimizer.step(closure)
+                loss = optimizer.step(closure, n_queries=n_queries, **({"plan": plan} if plan is not None else {}))
                 forward_passes = optimizer.forward_passes
             else:
                 n_queries = 0
@@ -365,9 +364,6 @@ def first_order_step(
         total += loss.detach() / scale
     if ddp is not None:
         all_sum_(total.reshape(1))
-    clip = getattr(optimizer, "grad_clip", None)
-    if clip:
-        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], clip)
-    optimizer.step()
+    optimizer.step()  # clips first when the method sets grad_clip (optim.first_order.AdamW)
     model.eval()
     return total

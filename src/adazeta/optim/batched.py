@@ -146,9 +146,10 @@ class ReplicaClosure:
     ``scoring.replica_losses``); ``closure()`` is its one-copy loss, so the sequential estimator can use it too.
     """
 
-    def __init__(self, model: nn.Module, losses: Callable[[int], Tensor]):
+    def __init__(self, model: nn.Module, losses: Callable[[int], Tensor], batch: object | None = None):
         self.model = model
         self.losses = losses
+        self.batch = batch  # the minibatch ``losses`` scores (``scoring.Batch``): sizes ``query_chunk=auto``
 
     def __call__(self) -> Tensor:
         return self.losses(1)[0]
@@ -207,6 +208,48 @@ def replica_weights(
     return [stack.view(replicas, *p.shape) for stack, p in zip(stacks, params)]
 
 
+def forward_bytes(model: nn.Module, batch: object) -> int:
+    """Activation memory of one no-grad forward over ``batch`` (bytes, an upper-bound estimate).
+
+    Inside one decoder (or encoder) layer at a time: the residual stream and its normalised copy, q, k, v and the
+    attention output (6 x tokens x hidden), the MLP's gate, up and activated tensors (3 x tokens x intermediate),
+    the attention scores and mask of a kernel that materialises them (rows x heads x T x T), and once per forward
+    the vocabulary logits of the scored positions with their log-softmax (2 x positions x vocabulary, fp32).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0) or 0)
+    inner = int(getattr(text, "intermediate_size", 0) or getattr(text, "ffn_dim", 0) or getattr(text, "n_inner", 0)
+                or 4 * hidden)
+    heads = int(getattr(text, "num_attention_heads", 0) or getattr(text, "n_head", 0) or 1)
+    vocab = int(getattr(text, "vocab_size", 0) or 0)
+    width = next((p.element_size() for p in base.parameters() if p.is_floating_point()), 4)
+    ids = batch.input_ids
+    rows, length = int(ids.shape[0]), int(ids.shape[1])
+    tokens = rows * length
+    layer = tokens * (6 * hidden + 3 * inner) * width + rows * length * length * (heads * width + 1)
+    logits = int(batch.positions.numel()) * vocab * 4 * 2
+    return layer + logits
+
+
+def auto_chunk(closure: "ReplicaClosure", params: Sequence[Tensor], budget: float, limit: int) -> int:
+    """The most replicas per forward (at most ``limit``) whose extra memory stays within ``budget`` x the
+    inference forward's (weights plus one forward's activations): each replica beyond the first adds a forward's
+    activations, and every replica a copy of the trainable parameters."""
+    model = closure.model
+    if closure.batch is None:
+        return 1
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    one = forward_bytes(model, closure.batch)
+    copy = sum(p.numel() * p.element_size() for p in params)
+    allowed = budget * (weights + one)
+    chunk = 1
+    while chunk < limit and chunk * one + (chunk + 1) * copy <= allowed:
+        chunk += 1  # chunk + 1 replicas: chunk x one extra activations, chunk + 1 weight copies
+    return chunk
+
+
 def estimate_batched(
     closure: ReplicaClosure,
     params: Sequence[Tensor],
@@ -222,6 +265,7 @@ def estimate_batched(
     At most ``chunk`` replicas per forward; the parameters are left untouched.
     """
     plan = replica_plan(seeds, eps, estimator)
+    chunk = max(1, min(chunk, len(plan)))
     parts = []
     for start in range(0, len(plan), chunk):
         part = plan[start : start + chunk]

@@ -37,13 +37,28 @@ class AdamWConfig:
             raise ConfigError(f"method.optimizer.grad_clip={self.grad_clip!r} must be > 0 or null (no clipping)")
 
 
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW that first clips the global gradient norm to ``grad_clip`` (None: no clipping).
+
+    The first-order contract of the training loop: gradients are in ``.grad`` (the loop ran backward), then
+    ``step()``; ``zeroth_order`` is False.
+    """
+
+    zeroth_order = False
+
+    def __init__(self, params, grad_clip: float | None = None, **kwargs):
+        super().__init__(params, **kwargs)
+        self.grad_clip = grad_clip
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        if self.grad_clip:
+            torch.nn.utils.clip_grad_norm_([p for g in self.param_groups for p in g["params"]], self.grad_clip)
+        return super().step(closure)
+
+
 @OPTIMIZERS.register("adamw", AdamWConfig)
-def build_adamw(
-    named_params: Iterable[tuple[str, torch.Tensor]], cfg: AdamWConfig, seed: int
-) -> torch.optim.AdamW:
-    # seed is unused: AdamW draws no randomness. The loop clips to `optimizer.grad_clip` before step().
-    optimizer = torch.optim.AdamW(
-        decay_groups(named_params, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps
-    )
-    optimizer.grad_clip = cfg.grad_clip
-    return optimizer
+def build_adamw(named_params: Iterable[tuple[str, torch.Tensor]], cfg: AdamWConfig, seed: int) -> AdamW:
+    # seed is unused: AdamW draws no randomness.
+    return AdamW(decay_groups(named_params, cfg.weight_decay), grad_clip=cfg.grad_clip, lr=cfg.lr, betas=cfg.betas,
+                 eps=cfg.eps)

@@ -11,7 +11,7 @@ import torch
 from adazeta.distributed import StepPlan, all_sum_
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
-from adazeta.optim.batched import estimate_batched
+from adazeta.optim.batched import auto_chunk, estimate_batched
 from adazeta.optim.spsa import (
     NOISE_STREAMS,
     DirectionCache,
@@ -51,10 +51,23 @@ def _validate(
         raise ConfigError(f"{where}noise={noise!r} must be one of {', '.join(NOISE_STREAMS)}")
 
 
-def _check_chunk(where: str, query_chunk: Any) -> int:
+AUTO_CHUNK_LIMIT = 64  # query_chunk=auto never replicates a minibatch more than this many times
+
+
+def _check_chunk(where: str, query_chunk: Any) -> int | str:
+    if query_chunk == "auto":
+        return query_chunk
     if isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
-        raise ConfigError(f"{where}query_chunk={query_chunk!r} must be an int >= 1 (loss evaluations per forward)")
+        raise ConfigError(f"{where}query_chunk={query_chunk!r} must be an int >= 1 (loss evaluations per forward) "
+                          "or auto (as many as query_memory allows)")
     return query_chunk
+
+
+def _check_memory(where: str, query_memory: Any) -> float:
+    if isinstance(query_memory, bool) or not isinstance(query_memory, (int, float)) or not query_memory > 0:
+        raise ConfigError(f"{where}query_memory={query_memory!r} must be a number > 0 (a fraction of the inference "
+                          "forward's memory, e.g. 0.05)")
+    return float(query_memory)
 
 
 def _check_queries(n_queries: Any) -> int:
@@ -66,9 +79,10 @@ def _check_queries(n_queries: Any) -> int:
 class ZOSGD(torch.optim.Optimizer):
     """Zeroth-order SGD (MeZO, Malladi et al. 2023, Algorithm 1) with Q directions per step (AdaZeta, Eq. 2).
 
-    ``step(closure)`` takes a closure that returns the minibatch loss *without* calling backward; it is called
-    2Q times (central) or Q + 1 times (one_sided) under ``torch.no_grad``, on the same minibatch. Q is the
-    public attribute ``n_queries``, which the training loop sets each step from the query schedule.
+    ``step(closure, n_queries=Q)`` takes a closure that returns the minibatch loss *without* calling backward;
+    it is called 2Q times (central) or Q + 1 times (one_sided) under ``torch.no_grad``, on the same minibatch.
+    The training loop passes each step's Q from the query schedule; without it, the step uses ``n_queries``
+    (the constructor's, or the last step's).
 
     The directions are never stored across steps: query q of step k draws z from ``query_seed(seed, k, q)``
     through the noise stream ``noise`` (``adazeta.optim.spsa.NOISE_STREAMS``); within a step, a trainable set
@@ -98,14 +112,17 @@ class ZOSGD(torch.optim.Optimizer):
         reduction: str = "mean",
         estimator: str = "central",
         batched_queries: bool = False,
-        query_chunk: int = 4,
+        query_chunk: int | str = 4,
         noise: str = "per_tensor",
+        query_memory: float = 0.05,
     ):
         _validate("ZOSGD ", lr, eps, weight_decay, reduction, estimator, noise)
         self.noise = noise
         self._layout: NoiseLayout | None = None
         self.batched_queries = bool(batched_queries)
         self.query_chunk = _check_chunk("ZOSGD ", query_chunk)
+        self.query_memory = _check_memory("ZOSGD ", query_memory)
+        self.last_chunk: int | None = None  # batched: the replicas per forward of the last step
         self._warned_sequential = False
         if seed < 0:
             raise ConfigError(f"ZOSGD seed={seed!r} must be >= 0")
@@ -141,7 +158,7 @@ class ZOSGD(torch.optim.Optimizer):
         """
         if closure is None:
             raise ValueError("ZOSGD.step needs a closure that returns the loss (no backward)")
-        q = _check_queries(self.n_queries if n_queries is None else n_queries)
+        q = self.n_queries = _check_queries(self.n_queries if n_queries is None else n_queries)
         params, lrs, wds = [], [], []
         for group in self.param_groups:
             for p in group["params"]:
@@ -181,7 +198,8 @@ class ZOSGD(torch.optim.Optimizer):
         if cache is None:
             cache = DirectionCache(noise_layout(params, self.noise, self._layout), masks)  # keeps nothing
         if self._replicas(closure):
-            return estimate_batched(closure, params, seeds, self.eps, self.estimator, self.query_chunk, masks, cache)
+            return estimate_batched(closure, params, seeds, self.eps, self.estimator, self._chunk(closure, params),
+                                    masks, cache)
         return self._estimate_sequential(closure, params, seeds, masks, cache)
 
     def _replicas(self, closure: Closure) -> bool:
@@ -193,6 +211,14 @@ class ZOSGD(torch.optim.Optimizer):
                 log.warning("batched_queries=true, but this closure cannot evaluate weight replicas: sequential")
                 self._warned_sequential = True
         return False
+
+    def _chunk(self, closure: Closure, params: Sequence[torch.Tensor]) -> int:
+        """Replicas per batched forward: ``query_chunk``, or with ``auto`` the most that ``query_memory`` allows."""
+        chunk = self.query_chunk
+        if chunk == "auto":
+            chunk = auto_chunk(closure, params, self.query_memory, AUTO_CHUNK_LIMIT)
+        self.last_chunk = chunk
+        return chunk
 
     def _estimate_sequential(
         self,
@@ -270,7 +296,7 @@ class ZOSGD(torch.optim.Optimizer):
             cache.keep(seeds)
             local_losses, local_grads = (
                 estimate_batched(closure, params, [seeds[i] for i in mine], self.eps, self.estimator,
-                                 self.query_chunk, masks, cache) if evaluates else (None, None))
+                                 self._chunk(closure, params), masks, cache) if evaluates else (None, None))
         else:  # the other ranks' queries are perturbed and restored too: the same rounding on every rank
             local_losses, local_grads = self._estimate_sequential(closure, params, seeds, masks, cache, mine)
         if evaluates:
@@ -336,7 +362,10 @@ class ZOSGDConfig:
     # own perturbed adapter weights (adapter methods only: TT, LoRA, dense adapters); same gradients, fewer
     # and larger forwards. false: one forward per loss, as the reference code.
     batched_queries: bool = False
-    query_chunk: int = 4  # batched: at most this many loss evaluations per forward (memory grows with it)
+    # batched: at most this many loss evaluations per forward (memory grows with it); auto: as many as fit in
+    # query_memory x the memory of an inference forward (weights and activations), estimated from each minibatch
+    query_chunk: int | str = 4
+    query_memory: float = 0.05
     # How a seed becomes z: per_tensor (one generator call per parameter: the stream of earlier releases, so the
     # same seeds give the same run) or flat (one call per 4 M entries: fewer kernels, other directions).
     noise: str = "per_tensor"
@@ -344,6 +373,7 @@ class ZOSGDConfig:
     def __post_init__(self) -> None:
         _validate("method.optimizer.", self.lr, self.eps, self.weight_decay, self.reduction, self.estimator, self.noise)
         _check_chunk("method.optimizer.", self.query_chunk)
+        _check_memory("method.optimizer.", self.query_memory)
 
 
 @OPTIMIZERS.register("zo_sgd", ZOSGDConfig)
@@ -358,5 +388,6 @@ def build_zo_sgd(named_params: Iterable[tuple[str, torch.Tensor]], cfg: ZOSGDCon
         estimator=cfg.estimator,
         batched_queries=cfg.batched_queries,
         query_chunk=cfg.query_chunk,
+        query_memory=cfg.query_memory,
         noise=cfg.noise,
     )
