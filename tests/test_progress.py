@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 
 import datasets
@@ -56,11 +57,15 @@ def test_no_bars_under_ci_or_in_a_sweep(monkeypatch):
 
 
 def test_third_party_bars_only_when_verbose():
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils  # its bar ignores transformers' switch
+
     try:
         quiet_third_party(False)
         assert not hf_logging.is_progress_bar_enabled() and not datasets.is_progress_bar_enabled()
+        assert gguf_utils.tqdm(range(3)).disable
         quiet_third_party(True)
         assert hf_logging.is_progress_bar_enabled() and datasets.is_progress_bar_enabled()
+        assert not gguf_utils.tqdm(range(3), file=io.StringIO()).disable
     finally:
         quiet_third_party(False)
 

@@ -39,3 +39,13 @@ def test_adazeta_on_smollm2_with_real_rte(tmp_path):
         rows = list(csv.DictReader(f))
     assert [r["split"] for r in rows] == ["dev", "dev", "test"]
     assert all(float(r["loss"]) > 0 for r in rows)
+
+
+def test_the_gguf_conversion_bar_shows_only_when_verbose(tmp_path, capfd):
+    overrides = ["model=smollm2-135m", "method=zero_shot", "task=sst2", f"model.model_dir={SHARED_MODELS}",
+                 f"data.dir={SHARED_DATA}", "data.num_train=8", "data.num_dev=8", "data.num_eval=8",
+                 "wandb.mode=disabled"]
+    run(compose_cfg(overrides), tmp_path / "quiet")
+    assert "Converting and de-quantizing GGUF" not in capfd.readouterr().err
+    run(compose_cfg([*overrides, "verbose=true"]), tmp_path / "verbose")
+    assert "Converting and de-quantizing GGUF" in capfd.readouterr().err

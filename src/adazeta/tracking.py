@@ -6,6 +6,7 @@ Also the two run-health instruments: peak memory and divergence detection.
 from __future__ import annotations
 
 import csv
+import functools
 import logging
 import math
 import os
@@ -163,6 +164,19 @@ def quiet_third_party(verbose: bool) -> None:
         hf_logging.disable_progress_bar()
         datasets.disable_progress_bars()
         hf_logging.set_verbosity_error()
+    _quiet_gguf_conversion(not verbose)
+
+
+def _quiet_gguf_conversion(quiet: bool) -> None:
+    """transformers' GGUF loader draws its conversion bar with plain ``tqdm``, past its own progress-bar switch:
+    give that module a bar that honours ours."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # a transformers without GGUF support: nothing to quiet
+        return
+    from tqdm.auto import tqdm
+
+    gguf_utils.tqdm = functools.partial(tqdm, disable=True) if quiet else tqdm
 
 
 def _duration(seconds: float) -> str:
