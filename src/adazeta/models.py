@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,6 @@ class LoadedModel:
     family: str
     source: ModelSource
     device: torch.device
-    info: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -425,7 +424,3 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
         if p.requires_grad:
             trainable += p.numel()
     return total, trainable
-
-
-def as_dict(cfg: ModelConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)

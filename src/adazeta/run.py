@@ -71,9 +71,6 @@ class Component:
     kind: str
     config: Any
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, **dataclasses.asdict(self.config)}
-
 
 @dataclass
 class Settings:

@@ -225,10 +225,6 @@ def read_table(
     return rows
 
 
-def read_tsv(path: Path, required: Sequence[str]) -> list[dict[str, Any]]:
-    return read_table(path, required)
-
-
 def read_local(path: Path, local: LocalSource, required: Sequence[str]) -> list[dict[str, Any]]:
     try:
         if local.format == "jsonl":
