@@ -16,7 +16,7 @@ from adazeta.adapters.tt import count_adapters
 from adazeta.models import architecture_summary, build_meta_model, count_parameters
 
 if TYPE_CHECKING:
-    from adazeta.run import Settings
+    from adazeta.settings import Settings
 
 GIB = 2**30
 ESTIMATE_SEQ_LEN = 256  # tokens per training sequence assumed by the activation estimate

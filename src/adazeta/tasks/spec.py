@@ -324,7 +324,3 @@ def render(spec: TaskSpec, family: str, row: dict[str, Any], gold: int, mask_tok
         }
         return Example("".join(text for text, _ in pieces), list(fmt.candidates), gold, meta)
     return Example(fill(fmt.template, values, f"task {spec.name!r}"), list(fmt.candidates), gold)
-
-
-# Registers the built-in hooks (COPA, ReCoRD, SQuAD, DROP); at the end because they import this module.
-from adazeta.tasks import hooks  # noqa: E402,F401

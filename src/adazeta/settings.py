@@ -1,0 +1,140 @@
+"""A run's settings: the composed Hydra config parsed into typed, validated dataclasses.
+
+``parse`` turns the config into :class:`Settings` and raises a one-line ConfigError on any bad value, before
+anything is loaded (``adazeta.run.compose_settings`` does the same from ``adazeta-run`` overrides, for scripts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+import adazeta.adapters  # noqa: F401  (registers the built-in adapters)
+import adazeta.optim  # noqa: F401  (registers the built-in optimizers)
+from adazeta.adapters import ADAPTERS
+from adazeta.distributed import DistributedConfig
+from adazeta.errors import ConfigError
+from adazeta.icl import DemonstrationConfig
+from adazeta.models import ModelConfig, complete_config
+from adazeta.optim import OPTIMIZERS
+from adazeta.probe import ProbeConfig
+from adazeta.registry import check_type, make_config, show
+from adazeta.schedules import SCHEDULES
+from adazeta.tasks.loaders import DataConfig
+from adazeta.tasks.spec import TaskSpec
+from adazeta.tracking import DivergenceConfig, WandbConfig
+from adazeta.train import TrainConfig
+
+
+@dataclass
+class Component:
+    """A registered piece chosen by name, with its typed config."""
+
+    kind: str
+    config: Any
+
+
+@dataclass
+class Settings:
+    """The whole run, typed and validated."""
+
+    seed: int
+    dry_run: bool
+    force: bool  # rerun even when the run directory already holds a finished result
+    verbose: bool  # third-party progress bars and logs too
+    method: str
+    model: ModelConfig
+    task: TaskSpec
+    adapter: Component
+    optimizer: Component | None
+    schedule: Component
+    train: TrainConfig
+    data: DataConfig
+    divergence: DivergenceConfig
+    wandb: WandbConfig
+    experiment: str | None
+    raw: dict[str, Any]  # the composed config, for provenance
+    demonstrations: DemonstrationConfig | None = None  # ICL: solved train examples before each prompt
+    probe: ProbeConfig | None = None  # LP: a logistic regression on frozen features instead of training
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)  # several processes
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def _component(registry: Any, node: dict[str, Any] | None, where: str) -> Component | None:
+    if node is None:
+        return None
+    values = dict(node)
+    kind = values.pop("kind", None)
+    if kind is None:
+        raise ConfigError(f"{where} needs a `kind` (one of {', '.join(registry.names())})")
+    entry = registry.get(kind)
+    return Component(kind, make_config(entry.config_cls, values, where=f"{where} {kind!r}"))
+
+
+def parse(cfg: DictConfig) -> Settings:
+    """Hydra config -> typed settings. Raises ConfigError with a one-line message on any bad value."""
+    raw = _plain(cfg)
+    seed = raw.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        # numpy's global seed is 32 bits; every other generator derives from this one.
+        raise ConfigError(f"seed={show(seed)} must be an integer in [0, 2**32 - 1]")
+    for key, hint in (("dry_run", bool), ("force", bool), ("verbose", bool), ("experiment_name", str | None)):
+        check_type(raw.get(key), hint, key)
+    method = raw["method"]
+    schedule = dict(raw["schedule"])
+    schedule_name = schedule.pop("name")
+    settings = Settings(
+        seed=seed,
+        dry_run=raw.get("dry_run", False),
+        force=raw.get("force", False),
+        verbose=raw.get("verbose", False),
+        method=method["name"],
+        model=make_config(ModelConfig, raw["model"], where="model"),
+        task=make_config(TaskSpec, raw["task"], where="task"),
+        adapter=_component(ADAPTERS, method.get("adapter") or {"kind": "none"}, "method.adapter"),
+        optimizer=_component(OPTIMIZERS, method.get("optimizer"), "method.optimizer"),
+        schedule=Component(schedule_name, SCHEDULES.config(schedule_name, schedule)),
+        train=make_config(TrainConfig, raw["train"], where="train"),
+        data=make_config(DataConfig, raw["data"], where="data"),
+        divergence=make_config(DivergenceConfig, raw["divergence"], where="divergence"),
+        wandb=make_config(WandbConfig, raw["wandb"], where="wandb"),
+        experiment=raw.get("experiment_name"),
+        raw=raw,
+        distributed=make_config(DistributedConfig, raw.get("distributed") or {}, where="distributed"),
+    )
+    settings.model = complete_config(settings.model)  # a model given by hub_id or path: its own config's sizes
+    shapes = settings.model.tt_shapes
+    adapter = settings.adapter.config
+    table = (settings.model.placements or {}).get(settings.model.architecture["model_type"])
+    if table and getattr(adapter, "targets", False) is None:
+        # The reference sites for this model type (conf/model/*.yaml) unless the method names its own; without
+        # an entry the adapter finds the MLP's projections from the module structure (adapters/sites.py).
+        settings.adapter.config = adapter = dataclasses.replace(adapter, targets=table[adapter.placement])
+    if settings.adapter.kind == "tt" and shapes and adapter.shape_down is None and adapter.shape_up is None:
+        # The model's reference shapes (e.g. [8,8,16,8,8] for RoBERTa-Large) unless the method names its own.
+        settings.adapter.config = dataclasses.replace(adapter, shape_down=shapes["down"], shape_up=shapes["up"])
+    unknown = sorted(set(method) - {"name", "adapter", "optimizer", "description", "demonstrations", "probe"})
+    if unknown:
+        raise ConfigError(f"method {method['name']!r}: unknown key(s) {', '.join(unknown)}")
+    if method.get("demonstrations") is not None:
+        settings.demonstrations = make_config(
+            DemonstrationConfig, method["demonstrations"], where="method.demonstrations"
+        )
+    if method.get("probe") is not None:
+        settings.probe = make_config(ProbeConfig, method["probe"], where="method.probe")
+    for key in ("demonstrations", "probe"):
+        if getattr(settings, key) is not None and settings.optimizer is not None:
+            raise ConfigError(f"method {method['name']!r}: method.{key} is training-free; set method.optimizer=null")
+    if settings.demonstrations is not None and settings.probe is not None:
+        raise ConfigError(f"method {method['name']!r}: choose method.demonstrations or method.probe, not both")
+    if settings.probe is not None and settings.task.objective == "generation":
+        raise ConfigError(
+            f"method {method['name']!r}: a linear probe classifies; task {settings.task.name!r} generates text"
+        )
+    return settings
