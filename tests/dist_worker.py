@@ -61,7 +61,7 @@ def run_with_fault(run_dir: Path, fail_step: int, overrides: list[str]) -> None:
 
     import adazeta.train as train_module
     from adazeta.run import run
-    from conftest import compose_cfg  # this script's folder is on sys.path
+    from helpers import compose_cfg  # this script's folder is on sys.path
 
     if fail_step and int(os.environ.get("RANK", "0")) == 1:
         progress_step = train_module.Progress.step

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from adazeta import cli
-from conftest import tiny_overrides
+from helpers import tiny_overrides
 
 # (overrides, a fragment the one-line message must contain)
 CASES = [

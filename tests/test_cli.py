@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 # Only offline variables: the command must never need the network.
 ENV = {k: v for k, v in os.environ.items() if not k.startswith(("ADAZETA_", "WANDB_"))}

@@ -6,7 +6,7 @@ import pytest
 
 from adazeta.errors import ConfigError
 from adazeta.run import parse
-from conftest import CONF, compose_cfg
+from helpers import CONF, compose_cfg
 
 GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in ("model", "task", "method", "schedule")}
 

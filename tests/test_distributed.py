@@ -16,7 +16,7 @@ from adazeta.distributed import DistributedConfig, Spread, StepPlan
 from adazeta.errors import ConfigError
 from adazeta.optim.spsa import query_seed
 from adazeta.run import run
-from conftest import ROOT, compose_cfg, tiny_overrides
+from helpers import ROOT, compose_cfg, tiny_overrides
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 

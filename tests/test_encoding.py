@@ -21,7 +21,7 @@ from adazeta.run import parse, run
 from adazeta.scoring import candidate_scores, collate, encode
 from adazeta.tasks.loaders import load_rows
 from adazeta.tasks.spec import Example, render
-from conftest import SHARED_DATA, SHARED_MODELS, compose_cfg, needs_shared_data, needs_shared_model
+from helpers import SHARED_DATA, SHARED_MODELS, compose_cfg, needs_shared_data, needs_shared_model
 
 MARK = "▁"  # SentencePiece's word-start marker
 SP_WORDS = ["Yes", "No", "Maybe", "great", "terrible", "It", "was", "good", "film", "Does", "this", "mean"]

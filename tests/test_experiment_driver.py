@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 spec = importlib.util.spec_from_file_location("experiment_driver", ROOT / "scripts" / "experiment.py")
 driver = importlib.util.module_from_spec(spec)

@@ -13,7 +13,7 @@ import pytest
 from adazeta.run import parse
 from adazeta.errors import ConfigError
 from adazeta.tables import build_table, load_paper_numbers, load_results, select_on_dev, to_latex, to_markdown
-from conftest import CONF, ROOT, compose_cfg
+from helpers import CONF, ROOT, compose_cfg
 from test_cli import ENV
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))

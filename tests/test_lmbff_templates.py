@@ -32,7 +32,7 @@ from adazeta.run import parse
 from adazeta.scoring import encode
 from adazeta.tasks.loaders import load_rows
 from adazeta.tasks.spec import TaskSpec, render
-from conftest import SHARED_DATA, compose_cfg, needs_shared_data
+from helpers import SHARED_DATA, compose_cfg, needs_shared_data
 
 MASK = "<mask>"
 SPECIAL = ("cls", "mask", "sep", "sep+")

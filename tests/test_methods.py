@@ -35,7 +35,7 @@ from adazeta.scoring import batch_loss, collate, encode
 from adazeta.tasks.loaders import load_task
 from adazeta.tasks.spec import Example
 from adazeta.train import first_order_step
-from conftest import compose_cfg, tiny_overrides, write_fixture_data
+from helpers import compose_cfg, tiny_overrides, write_fixture_data
 
 ZO_METHODS = ["adazeta", "mezo", "mezo_lora", "mezo_adapter", "sparse_mezo"]
 FO_METHODS = ["ft", "lora", "adapter", "tt_adapter"]
@@ -466,7 +466,7 @@ def test_memory_benchmark_worker_runs_each_kind_of_step(data_dir):
     import argparse
     import importlib.util
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "scripts" / "bench_memory.py")
     bench = importlib.util.module_from_spec(spec)

@@ -11,7 +11,7 @@ from transformers.utils import logging as hf_logging
 from adazeta import tracking
 from adazeta.run import run
 from adazeta.tracking import Progress, quiet_third_party
-from conftest import compose_cfg, tiny_overrides
+from helpers import compose_cfg, tiny_overrides
 
 
 def test_log_lines_carry_step_loss_queries_forwards_dev_accuracy_and_eta(monkeypatch, caplog):

@@ -7,7 +7,7 @@ import csv
 import pytest
 
 from adazeta.run import run
-from conftest import SHARED_DATA, SHARED_MODELS, compose_cfg, needs_shared_data, needs_shared_model
+from helpers import SHARED_DATA, SHARED_MODELS, compose_cfg, needs_shared_data, needs_shared_model
 
 pytestmark = [pytest.mark.slow, needs_shared_data, needs_shared_model]
 

@@ -18,7 +18,7 @@ from adazeta.errors import ConfigError
 from adazeta.rundir import atomic_write_text, claim, config_differences
 from adazeta.run import CHECKPOINT, run
 from adazeta.tracking import Tracker, WandbConfig
-from conftest import compose_cfg, tiny_overrides
+from helpers import compose_cfg, tiny_overrides
 
 # Columns that measure the machine, not the computation: they differ between any two runs.
 TIMING = {"step_time_s", "peak_mem_mb"}

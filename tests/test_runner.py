@@ -12,7 +12,7 @@ import torch
 
 from adazeta.run import execute, parse, run
 from adazeta.tracking import EVAL_COLUMNS, STEP_COLUMNS
-from conftest import compose_cfg, tiny_overrides, write_fixture_data
+from helpers import compose_cfg, tiny_overrides, write_fixture_data
 
 RESULT_KEYS = {
     "method", "task", "model", "seed", "status", "dev_accuracy", "test_accuracy", "best_step", "total_params",

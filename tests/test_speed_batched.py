@@ -20,7 +20,7 @@ from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 from adazeta.run import parse, preflight, run
 from adazeta.scoring import batch_loss, collate, encode, replica_losses
 from adazeta.tasks.spec import Example
-from conftest import compose_cfg, tiny_overrides
+from helpers import compose_cfg, tiny_overrides
 
 TINY_LLAMA = {
     "model_type": "llama",

@@ -7,7 +7,7 @@ import csv
 import importlib.util
 import sys
 
-from conftest import ROOT
+from helpers import ROOT
 
 spec = importlib.util.spec_from_file_location("bench_script", ROOT / "scripts" / "bench.py")
 bench = importlib.util.module_from_spec(spec)

@@ -8,7 +8,7 @@ from adazeta.errors import ConfigError
 from adazeta.run import parse
 from adazeta.tasks.loaders import DataConfig, load_rows, load_task
 from adazeta.tasks.spec import render
-from conftest import SHARED_DATA, compose_cfg, needs_shared_data
+from helpers import SHARED_DATA, compose_cfg, needs_shared_data
 
 
 def spec(name: str):

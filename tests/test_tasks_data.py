@@ -16,7 +16,7 @@ from adazeta.tasks.loaders import (
     DataConfig, KSHOT_SEEDS, check_data, kshot_indices, load_rows, load_task, local_files, split_sizes,
 )
 from adazeta.tasks.spec import TaskSpec, render
-from conftest import SHARED_DATA, compose_cfg, needs_shared_data, write_fixture_data
+from helpers import SHARED_DATA, compose_cfg, needs_shared_data, write_fixture_data
 
 
 def spec(name: str, *overrides: str) -> TaskSpec:

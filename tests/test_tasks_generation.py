@@ -20,7 +20,7 @@ from adazeta.scoring import batch_loss, candidate_scores, collate, encode, objec
 from adazeta.tasks.metrics import best_exact_match, best_f1, exact_match, normalize_answer, token_f1
 from adazeta.tasks.objectives import gold_only
 from adazeta.tasks.spec import Example
-from conftest import compose_cfg
+from helpers import compose_cfg
 from test_scoring import TINY_LLAMA
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from adazeta.errors import ConfigError
 from adazeta.run import run
-from conftest import WORDS, compose_cfg
+from helpers import WORDS, compose_cfg
 
 K, SEED = 4, 21
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 import adazeta.run as run_module
-from conftest import SHARED_DATA, SHARED_MODELS, compose_cfg, needs_shared_data, needs_shared_model
+from helpers import SHARED_DATA, SHARED_MODELS, compose_cfg, needs_shared_data, needs_shared_model
 
 pytestmark = [pytest.mark.slow, needs_shared_data, needs_shared_model]
 

@@ -7,7 +7,7 @@ import pytest
 from adazeta.errors import ConfigError
 from adazeta.run import parse
 from adazeta.tasks.spec import TaskSpec, render
-from conftest import CONF, compose_cfg
+from helpers import CONF, compose_cfg
 
 MASK = "<mask>"
 TASKS = sorted(p.stem for p in (CONF / "task").glob("*.yaml"))

@@ -177,7 +177,7 @@ def test_budget_steps_is_a_fixed_point_of_the_schedule(budget):
 
 
 def test_a_run_with_a_budget_derives_the_reference_schedule_from_it(tmp_path):
-    from conftest import compose_cfg, tiny_overrides, write_fixture_data
+    from helpers import compose_cfg, tiny_overrides, write_fixture_data
     from adazeta.run import parse, schedule_epochs
 
     data = write_fixture_data(tmp_path)
@@ -237,7 +237,7 @@ def test_a_collapse_ends_the_run_as_diverged_and_test_uses_the_state_before_it(t
 def test_dev_is_evaluated_every_n_forward_passes_when_asked(tmp_path):
     import csv
 
-    from conftest import compose_cfg, tiny_overrides, write_fixture_data
+    from helpers import compose_cfg, tiny_overrides, write_fixture_data
     from adazeta.run import run
 
     data = write_fixture_data(tmp_path / "data")
