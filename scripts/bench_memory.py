@@ -1,4 +1,4 @@
-"""Peak memory of one training step per method, on the same model and the same batch (SPEC §9).
+"""Peak memory of one training step per method, on the same model and the same batch.
 
     python scripts/bench_memory.py                       # SmolLM2-135M, 16 SST-2 prompts, six methods
     python scripts/bench_memory.py --methods inference adazeta --steps 3 --set model.dtype=bf16

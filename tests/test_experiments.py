@@ -40,7 +40,7 @@ TABLE2_REFERENCE = {
     "adazeta": (1e-4, 0.01),
     "mezo": (5e-7, 0.01),
     "mezo_lora": (1e-4, 0.01),
-    "sparse_mezo": (1e-6, 0.0),  # never launched by the scripts: SPEC's lr; our sparse update takes no decay
+    "sparse_mezo": (1e-6, 0.0),  # never launched by the scripts: not their lr; our sparse update takes no decay
     "ft": (1e-5, 0.0),
 }
 TABLE2_METHODS = ["zero_shot", "icl", "lp", "ft", "lora", "mezo", "mezo_lora", "sparse_mezo", "adazeta"]
@@ -189,7 +189,7 @@ def test_the_committed_paper_numbers_load_and_name_their_sources():
     paper = load_paper_numbers(ROOT / "results" / "paper_numbers.csv")
     assert len(paper) > 0 and paper["table"].str.len().min() > 0
     adazeta = paper[paper["source"].str.startswith("AdaZeta")]
-    assert len(adazeta) and not adazeta["confirmed"].any()  # only a secondary summary so far (SPEC §7)
+    assert len(adazeta) and not adazeta["confirmed"].any()  # only a secondary summary so far
     # where the AdaZeta paper's baseline numbers are unconfirmed, MeZO's own are beside them
     for experiment, task, method in [("table1_roberta", "rte", "mezo_lora"), ("table2_llama", "rte", "mezo")]:
         cell = paper[(paper["experiment"] == experiment) & (paper["task"] == task) & (paper["method"] == method)]

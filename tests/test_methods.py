@@ -1,5 +1,6 @@
-"""The method matrix (SPEC §5) on tiny models: what each method trains, that training moves only that and lowers
-the loss, Sparse-MeZO's masks, gradient accumulation, in-context learning, linear probing, memory estimates."""
+"""The method matrix (the AdaZeta paper's tables) on tiny models: what each method trains, that training moves only
+that and lowers the loss, Sparse-MeZO's masks, gradient accumulation, in-context learning, linear probing, memory
+estimates."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def test_adazeta_on_smollm2_with_real_rte(tmp_path):
     record = run(cfg, tmp_path)
     assert record["status"] == "finished"
     assert record["model_source"]["kind"] == "local" and record["model_source"]["gguf_file"]
-    assert record["trainable_params"] == 179_100  # 90 adapters with the reference shapes (SPEC §9)
+    assert record["trainable_params"] == 179_100  # 90 adapters with the reference code's shapes
     assert record["total_params"] == 134_515_008 + 179_100
     assert 0.0 <= record["dev_accuracy"] <= 1.0 and 0.0 <= record["test_accuracy"] <= 1.0
     with open(tmp_path / "eval.csv") as f:

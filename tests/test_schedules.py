@@ -1,4 +1,4 @@
-"""Query-count schedules (SPEC §4): the values a run's cost and stability depend on."""
+"""Query-count schedules (AdaZeta's paper and reference code): the values a run's cost and stability depend on."""
 
 import math
 
@@ -47,7 +47,7 @@ def test_constant_schedule(q: int) -> None:
 
 
 def test_official_schedule_on_the_reference_llama_setup() -> None:
-    # 1,000 train examples, batch 16, 10,000 steps, q_target 20, cap 15 (SPEC §4).
+    # 1,000 train examples, batch 16, 10,000 steps, q_target 20, cap 15 (the reference code's Llama runs).
     num_epochs = run_epochs(max_steps=10_000, num_train=1_000, batch_size=16)
     assert num_epochs == 160.0
     beta = official_beta(0.85, 20, num_epochs)

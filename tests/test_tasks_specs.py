@@ -1,4 +1,4 @@
-"""Every task's templates on fixture rows: the prompts of SPEC §6, one candidate per label, the right label word."""
+"""Every task's templates on fixture rows: MeZO's or LM-BFF's prompts, a candidate per label, the right label word."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ MASKED_TASKS = ["sst2", "sst5", "mr", "cr", "snli", "mnli", "qnli", "rte", "trec
 
 NLI = {"premise": "A man runs.", "hypothesis": "A person moves."}
 SENTENCE = {"sentence": "a gripping film"}
-# A fixture row per task, the prompts SPEC §6 gives for it (masked: LM-BFF's exact strings, checked against LM-BFF's
+# A fixture row per task, its MeZO or LM-BFF prompts (masked: LM-BFF's exact strings, checked against LM-BFF's
 # template language in tests/test_lmbff_templates.py), and each raw label's word (candidate).
 FIXTURES = {
     "sst2": (SENTENCE, "a gripping film It was", "a gripping film It was<mask>.", {0: "terrible", 1: "great"}),

@@ -1,4 +1,4 @@
-"""Tensor-train helpers and TT adapters (SPEC §2): shapes, contraction, init, placement and parameter counts."""
+"""Tensor-train helpers and AdaZeta's TT adapters: shapes, contraction, init, placement and parameter counts."""
 
 from __future__ import annotations
 

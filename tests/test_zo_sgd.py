@@ -1,4 +1,4 @@
-"""ZO-SGD and its pure SPSA pieces (SPEC §3): estimate, restore, reproducibility, update rules."""
+"""ZO-SGD and its pure SPSA pieces (MeZO's estimator, Q queries): estimate, restore, reproducibility, update rules."""
 
 import copy
 

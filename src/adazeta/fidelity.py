@@ -1,6 +1,6 @@
 """How good is a ZO gradient estimate? Compare it with autograd's gradient of the same loss, on one minibatch.
 
-For Q directions z_q ~ N(0, I) over the d trainable parameters, the estimate (SPEC §3)
+For Q directions z_q ~ N(0, I) over the d trainable parameters, MeZO's estimate
 
     g_hat_Q = (1/Q) sum_q  [L(w + eps z_q) - L(w - eps z_q)] / (2 eps)  z_q
 

@@ -1,5 +1,6 @@
-"""Greedy generation for the generation tasks (SQuAD, DROP; SPEC §6): up to 50 new tokens, stopping at a newline,
-scored by F1 and exact match against every gold answer. Also the non-differentiable ZO loss: minus that F1.
+"""Greedy generation for the generation tasks (SQuAD, DROP), as in the MeZO protocol: up to 50 new tokens,
+stopping at a newline, scored by F1 and exact match against every gold answer. Also the non-differentiable ZO
+loss: minus that F1.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""In-context learning (the ICL rows of SPEC §5): k solved train examples prepended to every prompt.
+"""In-context learning (the ICL rows of the AdaZeta paper's tables): k solved train examples prepended to every prompt.
 
 A demonstration is a train example's prompt followed by its gold answer (causal), or its prompt with the gold
 label word in place of the mask (masked, as in LM-BFF). The k demonstrations are drawn once, with a seed, from

@@ -47,7 +47,7 @@ class ModelConfig:
     max_length: int = 512  # prompt + candidate tokens; longer prompts are truncated (scoring.encode)
     model_dir: str | None = None  # local model directory; defaults to $ADAZETA_MODEL_DIR
     revision: str | None = None  # Hub revision, for reproducible downloads
-    tt_shapes: dict[str, list[int]] | None = None  # reference TT modes {down, up} for this hidden size (SPEC §2)
+    tt_shapes: dict[str, list[int]] | None = None  # the reference code's TT modes {down, up} for this hidden size
     # Adapter sites by model_type and placement: {model_type: {official: [{pattern, position}], paper: [...]}}.
     # A model_type not listed gets the MLP projections found from its module structure (adapters/sites.py).
     placements: dict[str, dict[str, list[dict[str, str]]]] | None = None

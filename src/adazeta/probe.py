@@ -1,4 +1,4 @@
-"""Linear probing (the LP rows of SPEC §5 and MeZO's tables): logistic regression on frozen features.
+"""Linear probing (the LP rows of the AdaZeta paper's and MeZO's tables): logistic regression on frozen features.
 
 Features are the backbone's final hidden state at the last prompt token (causal: the state that predicts the
 answer) or at the mask (masked). A scikit-learn logistic regression is fitted on the train split for each C of a

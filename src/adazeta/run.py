@@ -148,7 +148,7 @@ def build(s: Settings) -> Built:
     quiet_third_party(s.verbose)
     loaded = load_model(s.model, seed=s.seed)
     if s.model.dtype != "fp32" and s.adapter.kind == "full" and s.optimizer and s.optimizer.kind == "zo_sgd":
-        log.warning("ZO perturbations of %s weights lose precision (SPEC §8); prefer model.dtype=fp32", s.model.dtype)
+        log.warning("ZO perturbations of %s weights lose precision; prefer model.dtype=fp32", s.model.dtype)
     model = ADAPTERS.get(s.adapter.kind).builder(loaded.model, s.adapter.config)
     total, trainable = count_parameters(model)
     log.info("model %s from %s on %s: %s parameters, %s trainable (%s)", s.model.name, loaded.source.kind,
@@ -175,9 +175,9 @@ def build(s: Settings) -> Built:
 def schedule_epochs(s: Settings, num_train: int) -> tuple[float, float | None]:
     """(E for the query schedule, E again when a forward-pass budget decided it, else None).
 
-    E is ``max_steps`` epochs (SPEC §4) unless ``train.max_forward_passes`` ends the run first: then the
-    reference schedule's exponent is derived from the epochs the budget actually reaches, so that its last
-    epoch, not an epoch the run never sees, gets Q = q_target.
+    E is ``max_steps`` in epochs (as the reference code counts E) unless ``train.max_forward_passes`` ends the
+    run first: then the reference schedule's exponent is derived from the epochs the budget actually reaches, so
+    that its last epoch, not an epoch the run never sees, gets Q = q_target.
     """
     if num_train == 0:  # a training-free run without a train split: the schedule is never asked
         return 0.0, None

@@ -1,4 +1,4 @@
-"""Query-count schedules: how many random directions Q the ZO estimator averages at a given epoch (SPEC §4).
+"""Query-count schedules: how many random directions Q the ZO estimator averages at a given epoch.
 
 Each schedule is a pure function of the epoch index (counted from 0; Q changes only at epoch starts). The
 registry ``SCHEDULES`` maps a name to a typed config and a builder ``(cfg, num_epochs) -> (epoch -> Q)`` so
@@ -46,7 +46,7 @@ def adaptive_official_q(epoch: int, alpha: float, q_target: float, q_cap: int, n
 
 
 def run_epochs(max_steps: int, num_train: int, batch_size: int) -> float:
-    """E = max_steps / (num_train / batch_size), the (fractional) number of epochs of a run (SPEC §4)."""
+    """E = max_steps / (num_train / batch_size), the (fractional) number of epochs of a run (reference code)."""
     return max_steps / (num_train / batch_size)
 
 

@@ -1,6 +1,6 @@
 """Candidate scoring: tokenise examples, pack them into batches, and score every candidate in one forward.
 
-Causal LMs (MeZO protocol, SPEC §6): a candidate's score is the mean log-probability of its tokens given the
+Causal LMs (the MeZO protocol): a candidate's score is the mean log-probability of its tokens given the
 prompt. The training loss is the cross-entropy over the candidates' scores. Masked LMs (LM-BFF): the score of a
 label word is its logit at the mask position; the loss is the cross-entropy over the label words.
 
@@ -495,7 +495,7 @@ def candidate_scores(model: nn.Module, batch: Batch, family: str) -> torch.Tenso
 
 
 def classification_loss(scores: torch.Tensor, gold: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy over candidates (SPEC §6), the training objective of every method."""
+    """Cross-entropy over candidates (MeZO and LM-BFF protocols), the training objective of every method."""
     return F.cross_entropy(scores, gold, reduction=reduction)
 
 

@@ -1,4 +1,4 @@
-"""Result tables: collect result records, select hyper-parameters on dev, aggregate test over seeds (SPEC §7-8).
+"""Result tables: collect result records, select hyper-parameters on dev, aggregate test over seeds.
 
 Selection never looks at test: for each (experiment, model, task, method) the hyper-parameter setting with the
 best mean dev metric over its seeds is chosen, and only then is its test metric reported, as mean and sample

@@ -30,9 +30,9 @@ from adazeta.tracking import DivergenceMonitor, Progress, Tracker, peak_memory_m
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 10000  # optimizer steps (SPEC §6: 10,000 for Llama-2-7B)
-    batch_size: int = 16  # examples per step (SPEC §5: 16; 64 also reported)
-    eval_every: int = 200  # dev evaluation period in steps (SPEC §6: 200)
+    max_steps: int = 10000  # optimizer steps (10,000 in AdaZeta's Llama-2-7B runs)
+    batch_size: int = 16  # examples per step (the AdaZeta paper's 16; 64 also reported)
+    eval_every: int = 200  # dev evaluation period in steps (200 in AdaZeta's Llama-2-7B runs)
     eval_batch_size: int = 32  # examples per evaluation forward; memory only, never changes results
     grad_accum: int = 1  # first-order only: micro-batches per step (gradients summed over all of them)
     keep_best: bool = True  # restore the best-dev-loss trainable state before the test evaluation
@@ -145,7 +145,7 @@ def train(
 ) -> Outcome:
     """Train for ``cfg.max_steps`` steps (none when ``optimizer`` is None) and evaluate the best-dev state.
 
-    ``objective`` is the task's (SPEC §6): classification by default; the LM loss (COPA, ReCoRD); generation
+    ``objective`` is the task's: classification by default; the LM loss (COPA, ReCoRD); generation
     (SQuAD, DROP: scored by F1 of greedy generations, optionally trained on -F1 by ZO methods).
     ``checkpoints``: save the loop's state every ``cfg.checkpoint_every`` steps and when ``stop()`` says so
     (then the run ends ``interrupted``, untested), and continue from ``checkpoints.resume`` when given: every

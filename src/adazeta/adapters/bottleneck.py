@@ -1,4 +1,4 @@
-"""Dense bottleneck adapters (Houlsby et al. 2019), the "Adapters" rows of SPEC §5 (first-order and MeZO).
+"""Dense bottleneck adapters (Houlsby et al. 2019), the AdaZeta paper's "Adapters" baselines (first-order and MeZO).
 
 The module is the TT adapter's with dense projections: ``h -> h + up(act(down(h)))``, placed with the same
 sites (``adazeta.adapters.sites``) and the same ``AdaptedLinear`` wrapper, so that the two differ only in how

@@ -13,7 +13,7 @@ from adazeta.errors import ConfigError
 
 @dataclass
 class LoraAdapterConfig:
-    r: int = 8  # rank (SPEC §5: 8 for first-order LoRA; MeZO-LoRA's reference code uses 5)
+    r: int = 8  # rank (8 for first-order LoRA in the AdaZeta paper's tables; MeZO-LoRA's reference code uses 5)
     alpha: float = 16.0  # scaling numerator: the update is (alpha / r) * B A
     dropout: float = 0.0  # LoRA dropout; ZO forwards run in eval mode, so it only acts in first-order runs
     # None: peft's default for the architecture (q and v projections); for a model type peft has no default for,

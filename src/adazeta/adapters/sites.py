@@ -1,4 +1,4 @@
-"""Where adapters go: the linear layers they wrap, and whether on the input or the output (SPEC §2, placement).
+"""Where adapters go: the linear layers they wrap, and whether on the input or the output.
 
 Sites come from a list of ``{pattern, position}`` targets (regexes searched in the dotted module names): the
 method's ``adapter.targets``, else the model config's ``placements`` entry for its model_type (the reference

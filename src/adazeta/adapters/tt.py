@@ -1,4 +1,4 @@
-"""Tensor-train (TT) adapters, AdaZeta's trainable part (SPEC §2), and their injection into a backbone.
+"""Tensor-train (TT) adapters, AdaZeta's trainable part (Yang et al., EMNLP 2024), and their injection into a backbone.
 
 An adapter is ``h -> h + up(act(down(h)))`` with bottleneck b, where ``down`` (H -> b) and ``up`` (b -> H) are
 TT matrices (``adazeta.tensor.tt``). It is placed on the input (``base(x + A(x))``) or on the output
@@ -19,7 +19,7 @@ from adazeta.adapters.sites import PLACEMENT_NAMES, POSITIONS, check_targets, li
 from adazeta.errors import ConfigError
 from adazeta.tensor.tt import default_shape, init_cores, split_index, tt_matmul
 
-# reference: the reference code's init (SPEC §2), not the identity at step 0; identity: the last `up` core and
+# reference: the AdaZeta reference code's init, not the identity at step 0; identity: the last `up` core and
 # the `up` bias start at zero, so the adapted model equals the backbone at step 0 (as LoRA's B = 0 does).
 INITS = ("reference", "identity")
 
@@ -33,7 +33,7 @@ ACTIVATIONS: dict[str, type[nn.Module]] = {
 
 @dataclasses.dataclass
 class TTAdapterConfig:
-    """Config of the TT adapter (SPEC §2); validated on construction."""
+    """Config of AdaZeta's TT adapter; validated on construction."""
 
     bottleneck: int = 64  # b: width of the adapter's hidden layer
     rank: int = 5  # inner TT rank r of both projections; parameters grow as r^2
@@ -169,7 +169,7 @@ class TTLinear(nn.Module):
 
 
 class TTAdapter(nn.Module):
-    """``h -> h + up(act(down(h)))`` (SPEC §2), computed in float32 whatever the dtype of h."""
+    """AdaZeta's ``h -> h + up(act(down(h)))`` with TT ``down`` and ``up``, in float32 whatever the dtype of h."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""Batched queries (SPEC §3): all the perturbed losses of one ZO step from batched forwards.
+"""Batched queries: all the perturbed losses of one ZO step (MeZO's estimator with Q queries) from batched forwards.
 
 The sequential estimator moves the weights, runs a forward, moves them back, 2Q times. The batched one
 repeats the minibatch R times (copy-major) and, for one forward, lets every module that owns trainable

@@ -1,4 +1,5 @@
-"""First-order baselines (FT, LoRA-FO, adapters-FO): torch's AdamW behind the optimizer registry (SPEC §5)."""
+"""First-order baselines of the AdaZeta paper's tables (FT, LoRA-FO, adapters-FO): torch's AdamW behind the
+optimizer registry."""
 
 from __future__ import annotations
 

@@ -97,7 +97,7 @@ class SparseZOSGD(ZOSGD):
 class SparseZOSGDConfig(ZOSGDConfig):
     """ZO-SGD hyper-parameters plus the mask: which fraction of each tensor stays still, chosen how."""
 
-    lr: float = 1e-6  # SPEC §5: 1e-6, like MeZO on all weights
+    lr: float = 1e-6  # like MeZO on all weights
     # Fraction of each tensor's entries that are never perturbed nor updated (Sparse-MeZO's "sparsity"):
     # 0.75 moves the 25 % smallest-magnitude entries (or a random 25 %, redrawn each step, with mask=random).
     sparsity: float = 0.75

@@ -1,4 +1,4 @@
-"""Pure pieces of the SPSA / MeZO zeroth-order estimator with Q queries (SPEC §3).
+"""Pure pieces of the SPSA / MeZO (Malladi et al. 2023) zeroth-order estimator with Q queries.
 
     g = (1/Q) * sum_q [L(w + eps z_q) - L(w - eps z_q)] / (2 eps) * z_q,     z_q ~ N(0, I)
     w <- w - lr * (g + weight_decay * w)

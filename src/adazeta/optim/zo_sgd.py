@@ -1,4 +1,4 @@
-"""ZO-SGD: MeZO's zeroth-order SGD with Q queries per step, as a drop-in ``torch.optim.Optimizer`` (SPEC §3)."""
+"""ZO-SGD: MeZO's zeroth-order SGD (Malladi et al. 2023) with Q queries a step, a drop-in ``torch.optim.Optimizer``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The code some tasks need: render hooks for templates that are more than placeholders, and flatteners for
 nested local files. Each is registered by name and named from the task's YAML (``hook:``, ``local.flatten:``).
 
-Render hooks follow the MeZO templates (Malladi et al. 2023, ``templates.py``), the reference of SPEC §6.
+Render hooks follow the MeZO templates (Malladi et al. 2023, ``templates.py`` in its code).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Load task splits from the Hub (through ``datasets``) or from local files, and sample them (SPEC §6).
+"""Load task splits from the Hub (through ``datasets``) or from local files; sample them (MeZO, LM-BFF protocols).
 
 Two protocols, picked by the model's family:
 
@@ -449,7 +449,7 @@ def describe_source(train: Rows, test: Rows) -> str:
 def load_task(
     spec: TaskSpec, data: DataConfig, family: str, seed: int, mask_token: str | None = None, need_train: bool = True
 ) -> TaskData:
-    """The train, dev and test examples of the family's protocol (SPEC §6), rendered with its template.
+    """The train, dev and test examples of the family's protocol (MeZO or LM-BFF), rendered with its template.
 
     ``need_train=False`` (zero-shot): a missing train split leaves train and dev empty instead of failing; when the
     split is there, dev is drawn from it exactly as for a training method.

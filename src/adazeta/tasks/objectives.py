@@ -1,4 +1,4 @@
-"""What a task trains on and how a split is scored, beyond candidate classification (SPEC §6).
+"""What a task trains on and how a split is scored, beyond candidate classification (MeZO protocol).
 
 - ``classification``: cross-entropy over the candidates' scores, accuracy (every classification task);
 - ``lm``: the language-model loss on the gold candidate's tokens; accuracy still picks the best candidate

@@ -1,4 +1,4 @@
-"""Task specs are data: dataset sources, label order, templates, candidates and the training objective (SPEC §6).
+"""Task specs are data: dataset sources, label order, templates, candidates and the training objective.
 
 A spec comes from ``conf/task/<name>.yaml``. One task name serves both model families:
 
@@ -119,7 +119,7 @@ class TaskSpec:
     causal: PromptFormat | None = None
     masked: PromptFormat | None = None
     masked_data: MaskedData | None = None  # masked (LM-BFF protocol) data
-    num_dev: int | None = None  # overrides data.num_dev (SPEC §6: CB and COPA use 100)
+    num_dev: int | None = None  # overrides data.num_dev (MeZO protocol: CB and COPA use 100)
 
     def __post_init__(self) -> None:
         if isinstance(self.hub, dict):

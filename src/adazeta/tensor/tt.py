@@ -1,4 +1,4 @@
-"""Pure tensor-train (TT) helpers for the TT adapter of SPEC §2: shapes, parameter counts, init, contraction.
+"""Pure tensor-train (TT) helpers for AdaZeta's TT adapter: shapes, parameter counts, init, contraction.
 
 A weight matrix W of size (in, out) is stored as a TT tensor of modes ``shape = [k_1..k_n]`` with
 ``prod(shape) == in * out``; ``W = reshape(full tensor, (in, out))`` in row-major order, so the first ``split``
@@ -91,7 +91,7 @@ def init_cores(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
 ) -> list[Tensor]:
-    """Reference init (SPEC §2): ``G_i = randn(r_{i-1}, k_i, r_i) / sqrt(r_i) * s^(1/n)``, ``s = sqrt(1/(in+out))``.
+    """The reference code's init: ``G_i = randn(r_{i-1}, k_i, r_i) / sqrt(r_i) * s^(1/n)``, ``s = sqrt(1/(in+out))``.
 
     Each entry of the reconstructed matrix then has variance ``s^2`` (the 1/r_i factors cancel the number of
     rank paths). On the meta device the cores are left uninitialized: there is nothing to draw.
@@ -131,7 +131,7 @@ def contract_cores(cores: Sequence[Tensor]) -> Tensor:
 def tt_matmul(x: Tensor, cores: Sequence[Tensor], split: int) -> Tensor:
     """``x @ W`` with ``W = A @ B``, A (in, r) = contraction of cores[:split], B (r, out) = of cores[split:].
 
-    The dense (in, out) matrix is never formed: this is the rank-r "fast forward" of SPEC §2. Batched cores
+    The dense (in, out) matrix is never formed: this is the rank-r "fast forward" of TT layers. Batched cores
     ``(R, r, k, r')`` with ``x`` of shape ``(R, ..., in)`` give replica r's product for ``x[r]``.
     """
     a = contract_cores(cores[:split])  # (in, r), since r_0 = 1
