@@ -184,3 +184,31 @@ def test_a_config_only_folder_is_not_enough_to_train(config_folder):
     s = parse(compose_cfg(["model=hf", f"model.path={config_folder('qwen3')}", *METHOD]))
     with pytest.raises(ConfigError, match="has a config.json but no weights"):
         preflight(s)
+
+
+@pytest.mark.parametrize("model_type, method", [("gemma3_text", "adazeta"), ("qwen3", "mezo_lora"),
+                                                ("roberta", "adazeta")])
+def test_a_saved_model_folder_trains_end_to_end_with_no_yaml(model_type, method, tmp_path, fixture_data):
+    """model=hf model.path=<save_pretrained folder>: weights and tokenizer from the folder, a few ZO steps, a record."""
+    from adazeta.models import byte_tokenizer
+    from adazeta.run import run
+
+    tokenizer = byte_tokenizer()
+    sizes = {**CONFIGS[model_type], "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id}
+    config = AutoConfig.for_model(model_type, **sizes)
+    auto = AutoModelForMaskedLM if FAMILY.get(model_type) == "masked" else AutoModelForCausalLM
+    torch.manual_seed(0)
+    folder = tmp_path / "saved"
+    auto.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    task = "sst2" if FAMILY.get(model_type) == "masked" else "rte"
+    overrides = ["model=hf", f"model.path={folder}", f"task={task}", f"data.dir={fixture_data}",
+                 "data.num_train=32", "data.num_dev=16", "data.num_eval=16", "train.max_steps=4", "train.eval_every=2",
+                 "train.batch_size=4", "wandb.mode=disabled", f"method={method}"]
+    if method == "adazeta":
+        overrides += ["method.adapter.bottleneck=8", "method.adapter.rank=2"]
+    record = run(compose_cfg(overrides), tmp_path / "run")
+    assert record["status"] == "finished" and record["steps"] == 4
+    assert record["model_source"]["kind"] == "local" and record["model_source"]["path"] == str(folder)
+    assert record["trainable_params"] > 0 and record["forward_passes"] > 0
+    assert 0.0 <= record["test_accuracy"] <= 1.0
