@@ -1,8 +1,14 @@
 """Optimizers: zeroth-order (ZO-SGD) and first-order, behind one registry.
 
 A builder registered in ``OPTIMIZERS`` takes ``(named_params, cfg, seed)`` where ``named_params`` is a list of
-``(name, parameter)`` pairs to train, and returns a ``torch.optim.Optimizer``. Zeroth-order optimizers set the
-class attribute ``zeroth_order = True`` and take a closure that returns the loss without calling backward.
+``(name, parameter)`` pairs to train, and returns a ``torch.optim.Optimizer``. The training loop's contract:
+
+- zeroth-order: the class attribute ``zeroth_order = True`` and ``step(closure, n_queries=Q)``, where ``closure()``
+  returns the minibatch loss without calling backward and Q is the step's query count from the schedule (several
+  processes: also ``plan=``, a ``distributed.StepPlan``); it returns the loss to log and counts
+  ``forward_passes``;
+- first-order: ``zeroth_order`` False or absent; the loop runs backward, then ``step()`` (which clips, if the
+  optimizer clips: ``first_order.AdamW``).
 """
 
 from adazeta.registry import Registry
