@@ -39,6 +39,7 @@ from adazeta.models import (
 from adazeta.optim import OPTIMIZERS
 from adazeta.optim.zo_sgd import ZOSGDConfig
 from adazeta.probe import linear_probe
+from adazeta.record import RunRecord
 from adazeta.results import device_info, git_state, package_versions, read_result, write_result
 from adazeta.rundir import Interrupted, StopSignals, atomic_write_text, claim, config_differences
 from adazeta.optim.batched import replica_sites
@@ -324,19 +325,11 @@ def execute(
     started = time.time()
     code = git_state()  # the code that runs, read before it runs (the tree may change during a long run)
     seed_everything(s.seed)
-    record: dict[str, Any] = {
-        "method": s.method,
-        "task": s.task.name,
-        "task_version": s.task.version,
-        "model": s.model.name,
-        "seed": s.seed,
-        "experiment": s.experiment,
-        "status": "failed",
-    }
+    record = RunRecord(s.method, s.task.name, s.task.version, s.model.name, s.seed, s.experiment)
     checkpoint = run_dir / CHECKPOINT
     tracker = None
     if resume is not None:
-        record["resumed_from_step"] = resume["loop"]["step"]
+        record.resumed_from_step = resume["loop"]["step"]
         log.info("resuming %s from its checkpoint at step %d", run_dir, resume["loop"]["step"])
     signals = StopSignals()
     try:
@@ -344,40 +337,38 @@ def execute(
             tracker = _execute(s, run_dir, resume, record, signals, d)
     except Interrupted as stop:
         step = f" at step {tracker.last_step}" if tracker is not None and tracker.last_step else ""
-        record.update(status="interrupted", signal=stop.name, reason=f"{stop.name}{step}, outside a training step")
+        record.status, record.signal = "interrupted", stop.name
+        record.reason = f"{stop.name}{step}, outside a training step"
     except Exception as err:
         reason = f"{type(err).__name__}: {err}"
         if d.enabled and not d.is_main:
             distributed.report_failure(reason)  # for rank 0's record
             raise
         peer = distributed.peer_failure() if d.enabled else None
-        record.update(reason=peer or reason)  # a collective broken by another rank's failure: that failure
+        record.reason = peer or reason  # a collective broken by another rank's failure: that failure
         raise
     finally:
         if d.is_main:  # rank 0 writes the record
-            record.update(
-                wall_time_s=round(time.time() - started, 2),
-                git=code,
-                packages=package_versions(),
-                config=s.raw,
-            )
+            record.wall_time_s = round(time.time() - started, 2)
+            record.git, record.packages, record.config = code, package_versions(), s.raw
+            written = record.as_dict()
             try:
-                write_result(run_dir / "result.json", record)
+                write_result(run_dir / "result.json", written)
             finally:
                 if tracker is not None:
-                    tracker.summary({k: v for k, v in record.items()
+                    tracker.summary({k: v for k, v in written.items()
                                      if isinstance(v, (int, float, str)) and v is not None})
-                    tracker.close(failed=record["status"] == "failed")
+                    tracker.close(failed=record.status == "failed")
         elif tracker is not None:
             tracker.close()
-    if d.is_main and record["status"] in ("finished", "diverged"):
+    if d.is_main and record.status in ("finished", "diverged"):
         checkpoint.unlink(missing_ok=True)  # the result is final: nothing to resume
     signals.forward()  # a scheduler's notice (SIGUSR2 under submitit): now that all is saved, let it requeue
-    return record
+    return record.as_dict()
 
 
 def _execute(
-    s: Settings, run_dir: Path, resume: dict[str, Any] | None, record: dict[str, Any], signals: StopSignals,
+    s: Settings, run_dir: Path, resume: dict[str, Any] | None, record: RunRecord, signals: StopSignals,
     d: Dist = distributed.SINGLE,
 ) -> Tracker:
     """The body of ``execute``: fills ``record`` as it goes; returns the tracker it opened."""
@@ -386,39 +377,34 @@ def _execute(
     model, family, tok, data, enc, named = b.model, b.family, b.tokenizer, b.data, b.enc, b.named
     optimizer, schedule, device = b.optimizer, b.schedule, b.device
     if b.demonstrations is not None:
-        record["demonstrations"] = b.demonstrations
+        record.demonstrations = b.demonstrations
 
     def collated(split: str) -> list:
         return [x.to(device) for x in batches(enc[split], s.train.eval_batch_size, family, tok, sort=True)]
 
-    record.update(
-        total_params=b.total_params,
-        trainable_params=b.trainable_params,
-        num_train=len(data.train),
-        num_dev=len(data.dev),
-        num_eval=len(data.eval),
-        data_source=data.source,
-        model_source=dataclasses.asdict(b.loaded.source),
-        truncated={split: sum(e.truncated for e in items) for split, items in enc.items()},
-    )
-    for split, n in record["truncated"].items():  # cut by encode(), never refused
+    record.total_params, record.trainable_params = b.total_params, b.trainable_params
+    record.num_train, record.num_dev, record.num_eval = len(data.train), len(data.dev), len(data.eval)
+    record.data_source, record.model_source = data.source, dataclasses.asdict(b.loaded.source)
+    record.truncated = {split: sum(e.truncated for e in items) for split, items in enc.items()}
+    for split, n in record.truncated.items():  # cut by encode(), never refused
         if n:
             log.warning("%s: %d of %d examples were truncated to fit model.max_length=%d (or the task's "
                         "reference limits)", split, n, len(enc[split]), s.model.max_length)
     if b.schedule_epochs is not None:
-        record["schedule_epochs"] = b.schedule_epochs
+        record.schedule_epochs = b.schedule_epochs
     if optimizer is not None and getattr(optimizer, "zeroth_order", False):
         per_epoch = steps_per_epoch(len(data.train), s.train.batch_size)
         planned = round(b.schedule_epochs * len(data.train) / s.train.batch_size) if b.schedule_epochs else None
-        record["mean_queries"] = mean_queries(schedule, per_epoch, planned or s.train.max_steps)
-        record["zo"] = {k: getattr(optimizer, k, None) for k in ("estimator", "batched_queries", "query_chunk")}
+        record.mean_queries = mean_queries(schedule, per_epoch, planned or s.train.max_steps)
+        record.zo = {k: getattr(optimizer, k, None) for k in ("estimator", "batched_queries", "query_chunk")}
         if getattr(optimizer, "batched_queries", False):  # every trainable parameter must sit in a module that runs replicas
             replica_sites(model, [p for _, p in named])
-    record["scoring_layout"] = "packed" if family == "causal" and packing_supported(model) else "rows"
+    record.scoring_layout = "packed" if family == "causal" and packing_supported(model) else "rows"
     zeroth_order = getattr(optimizer, "zeroth_order", False)
-    record.update(distributed.describe(d, s.distributed.mode, zeroth_order))
+    for key, value in distributed.describe(d, s.distributed.mode, zeroth_order).items():
+        setattr(record, key, value)  # world_size, parallel, backend
     if s.model.device_map:  # which devices accelerate spread the model over
-        record["devices"] = sorted(set(device_map_of(b.loaded.model).values())) or [str(device)]
+        record.devices = sorted(set(device_map_of(b.loaded.model).values())) or [str(device)]
     if d.enabled and optimizer is None:
         log.warning("method %r trains nothing: every one of the %d processes evaluates the same examples",
                     s.method, d.world_size)
@@ -432,7 +418,7 @@ def _execute(
         tracker = SilentTracker(resume=resume["tracker"] if resume else None)
     try:
         if s.probe is not None:
-            outcome, record["probe"] = linear_probe(
+            outcome, record.probe = linear_probe(
                 model, family, enc, s.probe, s.train.eval_batch_size, device, tok.pad_token_id,
                 getattr(tok, "mask_token_id", None), tracker, s.seed,
             )
@@ -468,29 +454,21 @@ def _execute(
     except BaseException:
         tracker.close(failed=True)
         raise
-    record.update(
-        metric=s.task.metric,  # what the *_accuracy fields measure: accuracy, or F1 for generation tasks
-        status=outcome.status,
-        reason=outcome.reason,
-        steps=outcome.steps,
-        best_step=outcome.best_step,
-        initial_dev_loss=outcome.initial_dev.loss,
-        initial_dev_accuracy=outcome.initial_dev.accuracy,
-        dev_loss=outcome.best_dev.loss,
-        dev_accuracy=outcome.best_dev.accuracy,
-        forward_passes=outcome.forward_passes,
-        device=device_info(device),
-        peak_mem_mb=round(peak_memory_mb(device), 1),
-    )
-    record.update({f"dev_{k}": v for k, v in outcome.best_dev.metrics.items()})  # f1, em
-    if not outcome.best_dev.n:  # no dev set (training-free, without a train split): null, not NaN
-        record.update(initial_dev_loss=None, initial_dev_accuracy=None, dev_loss=None, dev_accuracy=None)
+    record.metric, record.status, record.reason = s.task.metric, outcome.status, outcome.reason
+    record.steps, record.best_step, record.forward_passes = outcome.steps, outcome.best_step, outcome.forward_passes
+    if outcome.best_dev.n:
+        record.initial_dev_loss, record.initial_dev_accuracy = outcome.initial_dev.loss, outcome.initial_dev.accuracy
+        record.dev_loss, record.dev_accuracy = outcome.best_dev.loss, outcome.best_dev.accuracy
+    else:  # no dev set (training-free, without a train split): null, not NaN
+        record.initial_dev_loss = record.initial_dev_accuracy = record.dev_loss = record.dev_accuracy = None
+    record.device, record.peak_mem_mb = device_info(device), round(peak_memory_mb(device), 1)
+    record.dev_metrics = dict(outcome.best_dev.metrics)  # f1, em
     if outcome.status == "interrupted":
-        record["signal"] = signals.requested
+        record.signal = signals.requested
         log.warning("interrupted (%s); checkpoint in %s: the same command resumes it", outcome.reason, run_dir)
         return tracker
-    record.update(test_loss=outcome.test.loss, test_accuracy=outcome.test.accuracy)
-    record.update({f"test_{k}": v for k, v in outcome.test.metrics.items()})
+    record.test_loss, record.test_accuracy = outcome.test.loss, outcome.test.accuracy
+    record.test_metrics = dict(outcome.test.metrics)
     log.info(
         "%s after %d steps (best dev step %d): dev accuracy %.4f -> %.4f, test accuracy %.4f; results in %s",
         outcome.status, outcome.steps, outcome.best_step, outcome.initial_dev.accuracy,

@@ -1,0 +1,86 @@
+"""A run's record (``result.json``), typed: what ran, what it used, what it measured, in the order it is written.
+
+``execute`` fills one ``RunRecord`` as the run goes; ``as_dict`` is what ``result.json`` holds. A field left at
+``UNSET`` is not written: an interrupted run has no test fields, a run without demonstrations no
+``demonstrations``, a run that failed while loading only the fields it had reached. ``None`` is written as
+``null`` (a run without a dev set has a null ``dev_loss``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+
+
+@dataclass
+class RunRecord:
+    # What ran.
+    method: str
+    task: str
+    task_version: Any
+    model: str
+    seed: int
+    experiment: str | None
+    status: str = "failed"  # finished | diverged | interrupted | failed (until the run says otherwise)
+    resumed_from_step: int = UNSET  # continued from a checkpoint written at this step
+    demonstrations: float = UNSET  # ICL: mean demonstrations per test prompt
+    # What it used.
+    total_params: int = UNSET
+    trainable_params: int = UNSET
+    num_train: int = UNSET
+    num_dev: int = UNSET
+    num_eval: int = UNSET
+    data_source: str = UNSET
+    model_source: dict[str, Any] = UNSET
+    truncated: dict[str, int] = UNSET  # examples cut to fit model.max_length, per split
+    schedule_epochs: float = UNSET  # E of the query schedule, when a forward-pass budget decided it
+    mean_queries: float = UNSET  # ZO: the schedule's mean Q over the planned steps
+    zo: dict[str, Any] = UNSET  # ZO: estimator, batched_queries, query_chunk
+    scoring_layout: str = UNSET  # packed | rows
+    world_size: int = UNSET
+    parallel: str = UNSET  # none | zo:auto | zo:query | zo:data | ddp
+    backend: str = UNSET  # several processes: gloo | nccl
+    devices: list[str] = UNSET  # model.device_map: the devices the model was spread over
+    probe: dict[str, Any] = UNSET  # linear probing: the probe's fit
+    # What it measured.
+    metric: str = UNSET  # what the *_accuracy fields hold: accuracy, or F1 for generation tasks
+    reason: str | None = UNSET  # why it ended as it did (divergence rule, signal, error), or None
+    steps: int = UNSET
+    best_step: int = UNSET
+    initial_dev_loss: float | None = UNSET
+    initial_dev_accuracy: float | None = UNSET
+    dev_loss: float | None = UNSET
+    dev_accuracy: float | None = UNSET
+    forward_passes: int = UNSET
+    device: dict[str, Any] = UNSET
+    peak_mem_mb: float = UNSET
+    dev_metrics: dict[str, float] = field(default_factory=dict)  # written as dev_<name>: f1, em
+    signal: str | None = UNSET  # interrupted: the signal that stopped it
+    test_loss: float = UNSET
+    test_accuracy: float = UNSET
+    test_metrics: dict[str, float] = field(default_factory=dict)  # written as test_<name>
+    # Provenance, written last.
+    wall_time_s: float = UNSET
+    git: dict[str, Any] = UNSET
+    packages: dict[str, str] = UNSET
+    config: dict[str, Any] = UNSET
+
+    def as_dict(self) -> dict[str, Any]:
+        """``result.json``'s contents: the fields that were set, metric dicts spread into their own keys."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("dev_metrics", "test_metrics"):
+                out.update({f"{f.name.split('_')[0]}_{k}": v for k, v in value.items()})
+            elif value is not UNSET:
+                out[f.name] = value
+        return out
