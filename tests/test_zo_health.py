@@ -178,15 +178,18 @@ def test_budget_steps_is_a_fixed_point_of_the_schedule(budget):
 
 def test_a_run_with_a_budget_derives_the_reference_schedule_from_it(tmp_path):
     from helpers import compose_cfg, tiny_overrides, write_fixture_data
-    from adazeta.run import parse, schedule_epochs
+    from adazeta.run import parse, run_length
 
     data = write_fixture_data(tmp_path)
     s = parse(compose_cfg(tiny_overrides(data, "method=adazeta", "schedule=adaptive_official",
                                          "train.max_steps=100000", "train.max_forward_passes=400")))
-    epochs, from_budget = schedule_epochs(s, 32)
-    assert from_budget == epochs and 1 < epochs < 100000 / 8  # far fewer epochs than max_steps would give
+    length = run_length(s, 32)  # batch 4: 8 steps an epoch
+    assert length.budget_steps is not None and length.schedule_epochs == length.budget_steps / 8
+    assert 1 < length.schedule_epochs < 100000 / 8  # far fewer epochs than max_steps would give
+    assert (length.steps_per_epoch, length.max_forward_passes, length.planned_steps) == (8, 400, length.budget_steps)
     s2 = dataclasses.replace(s, train=dataclasses.replace(s.train, max_forward_passes=None))
-    assert schedule_epochs(s2, 32) == (100000 / 8, None)
+    assert run_length(s2, 32).schedule_epochs == 100000 / 8 and run_length(s2, 32).budget_steps is None
+    assert run_length(s2, 32).planned_steps == 100000
 
 
 # ---- the loop: collapse ends the run, and a collapsed state is never the one tested -------------------------

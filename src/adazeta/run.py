@@ -8,6 +8,7 @@ mistake costs one line and no model load.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -56,7 +57,7 @@ from adazeta.tracking import (
     quiet_third_party,
     reset_peak_memory,
 )
-from adazeta.train import Checkpoints, steps_per_epoch, train
+from adazeta.train import Checkpoints, RunLength, steps_per_epoch, train
 
 log = logging.getLogger("adazeta")
 
@@ -128,8 +129,13 @@ class Built:
     schedule: Schedule
     total_params: int
     trainable_params: int
-    schedule_epochs: float | None = None  # E the schedule was built for, when a forward-pass budget set it
+    length: RunLength  # steps per epoch, step limit, forward budget, the schedule's E: decided once
     demonstrations: float | None = None  # ICL: mean number of demonstrations per test prompt
+
+    @property
+    def schedule_epochs(self) -> float | None:
+        """E the schedule was built for, when a forward-pass budget decided it (else None)."""
+        return self.length.schedule_epochs if self.length.budget_steps is not None else None
 
     @property
     def device(self) -> torch.device:
@@ -166,38 +172,40 @@ def build(s: Settings) -> Built:
         if not named:
             raise ConfigError(f"method {s.method!r} has an optimizer but nothing to train")
         optimizer = OPTIMIZERS.get(s.optimizer.kind).builder(named, s.optimizer.config, s.seed)
-    num_epochs, budget_epochs = schedule_epochs(s, len(data.train))
-    schedule = SCHEDULES.get(s.schedule.kind).builder(s.schedule.config, num_epochs)
+    length = run_length(s, len(data.train))
+    schedule = SCHEDULES.get(s.schedule.kind).builder(s.schedule.config, length.schedule_epochs)
     log.info("task %s: %d train / %d dev / %d test examples from %s", s.task.name, len(data.train),
              len(data.dev), len(data.eval), data.source)
-    return Built(loaded, model, data, enc, named, optimizer, schedule, total, trainable, budget_epochs, demonstrations)
+    return Built(loaded, model, data, enc, named, optimizer, schedule, total, trainable, length, demonstrations)
 
 
-def schedule_epochs(s: Settings, num_train: int) -> tuple[float, float | None]:
-    """(E for the query schedule, E again when a forward-pass budget decided it, else None).
+def run_length(s: Settings, num_train: int) -> RunLength:
+    """How long the run is: steps per epoch, step limit, forward budget and the epochs E of the query schedule.
 
     E is ``max_steps`` in epochs (as the reference code counts E) unless ``train.max_forward_passes`` ends the
     run first: then the reference schedule's exponent is derived from the epochs the budget actually reaches, so
     that its last epoch, not an epoch the run never sees, gets Q = q_target.
     """
+    loop = steps_per_epoch(num_train, s.train.batch_size)
+    budget = s.train.max_forward_passes
+    length = functools.partial(RunLength, loop, s.train.max_steps, budget)
     if num_train == 0:  # a training-free run without a train split: the schedule is never asked
-        return 0.0, None
+        return length(0.0)
     per_epoch = num_train / s.train.batch_size
     epochs = s.train.max_steps / per_epoch
-    budget = s.train.max_forward_passes
     zo = s.optimizer is not None and isinstance(s.optimizer.config, ZOSGDConfig)
     if budget is None or not zo or s.schedule.kind != "adaptive_official":
-        return epochs, None
+        return length(epochs)
     central = s.optimizer.config.estimator == "central"
     steps = budget_steps(
         lambda e: SCHEDULES.get(s.schedule.kind).builder(s.schedule.config, e),
-        steps_per_epoch(num_train, s.train.batch_size),
+        loop,
         per_epoch,
         budget,
         forwards=(lambda q: 2 * q) if central else (lambda q: q + 1),
         max_steps=s.train.max_steps,
     )
-    return steps / per_epoch, steps / per_epoch
+    return length(steps / per_epoch, steps)
 
 
 def seed_everything(seed: int) -> None:
@@ -393,9 +401,7 @@ def _execute(
     if b.schedule_epochs is not None:
         record.schedule_epochs = b.schedule_epochs
     if optimizer is not None and getattr(optimizer, "zeroth_order", False):
-        per_epoch = steps_per_epoch(len(data.train), s.train.batch_size)
-        planned = round(b.schedule_epochs * len(data.train) / s.train.batch_size) if b.schedule_epochs else None
-        record.mean_queries = mean_queries(schedule, per_epoch, planned or s.train.max_steps)
+        record.mean_queries = mean_queries(schedule, b.length.steps_per_epoch, b.length.planned_steps)
         record.zo = {k: getattr(optimizer, k, None) for k in ("estimator", "batched_queries", "query_chunk")}
         if getattr(optimizer, "batched_queries", False):  # every trainable parameter must sit in a module that runs replicas
             replica_sites(model, [p for _, p in named])
@@ -449,6 +455,7 @@ def _execute(
                 objective=build_objective(s.task, data, enc, tok, s.model.max_length, s.train.eval_batch_size),
                 checkpoints=checkpoints,
                 spread=Spread(d.rank, d.world_size, s.distributed.mode) if d.enabled else None,
+                length=b.length,
             )
             signals.loop = False
     except BaseException:

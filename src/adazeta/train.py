@@ -85,6 +85,23 @@ class Checkpoints:
         self.save, self.resume, self.stop = save, resume, stop
 
 
+@dataclass(frozen=True)
+class RunLength:
+    """How long a run is, decided once (``adazeta.run.run_length``) and handed to the query schedule, the
+    record's mean-Q estimate and the training loop."""
+
+    steps_per_epoch: int  # minibatches per pass over the train split (the last one may be short)
+    max_steps: int
+    max_forward_passes: int | None  # the forward-pass budget, or None
+    schedule_epochs: float  # E, the epochs the query schedule is built for
+    budget_steps: int | None = None  # the steps the forward budget reaches, when it decided E (adaptive_official)
+
+    @property
+    def planned_steps(self) -> int:
+        """The steps the run is planned to take: the budget's when it decided E, else the step limit."""
+        return self.budget_steps if self.budget_steps is not None else self.max_steps
+
+
 def steps_per_epoch(num_train: int, batch_size: int) -> int:
     return math.ceil(num_train / batch_size)
 
@@ -142,8 +159,9 @@ def train(
     objective: Objective | None = None,
     checkpoints: Checkpoints | None = None,
     spread: Spread | None = None,
+    length: RunLength | None = None,
 ) -> Outcome:
-    """Train for ``cfg.max_steps`` steps (none when ``optimizer`` is None) and evaluate the best-dev state.
+    """Train for ``length.max_steps`` steps (none when ``optimizer`` is None) and evaluate the best-dev state.
 
     ``objective`` is the task's: classification by default; the LM loss (COPA, ReCoRD); generation
     (SQuAD, DROP: scored by F1 of greedy generations, optionally trained on -F1 by ZO methods).
@@ -153,6 +171,7 @@ def train(
     ``spread``: the run's processes (``adazeta.distributed``), when it runs on several: ZO steps divide their
     queries and minibatch over them, first-order steps train through DistributedDataParallel on data shards.
     Every rank runs this loop on the same data and takes the same decisions.
+    ``length``: the run's length as ``adazeta.run.run_length`` decided it (default: from ``cfg`` and the data).
     """
     ckpt = checkpoints or Checkpoints(save=lambda state: None)
     obj = objective or Objective()
@@ -185,7 +204,10 @@ def train(
 
     if optimizer is not None:
         zeroth_order = getattr(optimizer, "zeroth_order", False)
-        per_epoch = steps_per_epoch(len(train_items), cfg.batch_size)
+        if length is None:
+            length = RunLength(steps_per_epoch(len(train_items), cfg.batch_size), cfg.max_steps,
+                               cfg.max_forward_passes, 0.0)
+        per_epoch, max_steps, budget = length.steps_per_epoch, length.max_steps, length.max_forward_passes
         order_gen = torch.Generator().manual_seed(seed)  # data order only; perturbations have their own
         order = torch.randperm(len(train_items), generator=order_gen)
         trainable = [p for group in optimizer.param_groups for p in group["params"]]
@@ -212,10 +234,10 @@ def train(
         if spread is not None and not zeroth_order:  # gradients averaged over the ranks' shards
             ddp = DistributedDataParallel(LossModule(model), device_ids=[device.index] if device.type == "cuda" else None,
                                           broadcast_buffers=False)
-        progress = Progress(cfg.max_steps, initial=first_step - 1)
+        progress = Progress(max_steps, initial=first_step - 1)
         if resume is not None:
             progress.evaluated(best_step, best.accuracy)
-        for step in range(first_step, cfg.max_steps + 1):
+        for step in range(first_step, max_steps + 1):
             epoch, slot = divmod(step - 1, per_epoch)
             if slot == 0 and step > 1:
                 order = torch.randperm(len(train_items), generator=order_gen)
@@ -265,12 +287,12 @@ def train(
             )
             progress.step(step, loss_value, n_queries, forward_passes)
             reason = monitor.non_finite(loss_value)
-            out_of_budget = cfg.max_forward_passes is not None and forward_passes >= cfg.max_forward_passes
+            out_of_budget = budget is not None and forward_passes >= budget
             if cfg.eval_every_forwards is None:
                 due = step % cfg.eval_every == 0
             else:
                 due = forward_passes // cfg.eval_every_forwards > last_eval_forwards // cfg.eval_every_forwards
-            if reason is None and (due or step == cfg.max_steps or out_of_budget):
+            if reason is None and (due or step == max_steps or out_of_budget):
                 last_eval_forwards = forward_passes
                 result = dev_eval(step)
                 progress.evaluated(step, result.accuracy)
@@ -292,7 +314,7 @@ def train(
                 progress.close()
                 return Outcome("interrupted", f"{signal_name} at step {step}", step, best_step, initial, best, None,
                                forward_passes)
-            if cfg.checkpoint_every is not None and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
+            if cfg.checkpoint_every is not None and step % cfg.checkpoint_every == 0 and step < max_steps:
                 save(step)
         progress.close()
         if cfg.keep_best and best_state is not None:
