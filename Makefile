@@ -63,31 +63,31 @@ dry-run: setup
 	$(BIN)/adazeta-run model=llama2-7b method=adazeta dry_run=true hydra.run.dir=/tmp/adazeta-dry-run
 
 tables: setup
-	$(BIN)/python scripts/make_tables.py
+	$(BIN)/python -m adazeta.make_tables
 
 figures: setup
-	$(BIN)/python scripts/make_figures.py
+	$(BIN)/python -m adazeta.make_figures
 
 cpu-convergence: setup
 	$(BIN)/adazeta-run -m experiment=cpu_convergence wandb.mode=offline
 
 cpu-zo: setup
-	$(BIN)/python scripts/experiment.py cpu_zo wandb.mode=offline
+	$(BIN)/python -m adazeta.experiment cpu_zo wandb.mode=offline
 
 cpu-zo-report: setup
-	$(BIN)/python scripts/cpu_zo_report.py
-	$(BIN)/python scripts/make_tables.py
+	$(BIN)/python -m adazeta.cpu_zo_report
+	$(BIN)/python -m adazeta.make_tables
 
 grad-fidelity: setup
-	$(BIN)/python scripts/grad_fidelity.py
+	$(BIN)/python -m adazeta.grad_fidelity
 
 bench-memory: setup
-	$(BIN)/python scripts/bench_memory.py
+	$(BIN)/python -m adazeta.bench_memory
 
 # e.g. make bench BENCH_ARGS="--repeats 5"; without model or data files: BENCH_ARGS="--weights random"
 BENCH_ARGS ?=
 bench: setup
-	$(BIN)/python scripts/bench.py $(BENCH_ARGS)
+	$(BIN)/python -m adazeta.bench $(BENCH_ARGS)
 
 OUT ?= results/bench/gpu
 bench-gpu: setup

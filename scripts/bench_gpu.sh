@@ -11,6 +11,10 @@ set -uo pipefail
 : "${OUT:?set OUT to the folder that receives the tables}"
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+if ! "$PY" -c "import adazeta" 2> /dev/null; then
+  echo "bench_gpu.sh: $PY cannot import adazeta: run make setup, or set PYTHON to a python with adazeta installed" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 COMMON=(--device cuda --dtype bf16 --out "$OUT" --eval-examples 64)
@@ -18,7 +22,7 @@ COMMON=(--device cuda --dtype bf16 --out "$OUT" --eval-examples 64)
 run() {  # run LIMIT_SECONDS NAME ARGS...
   local limit=$1 name=$2; shift 2
   local start=$SECONDS
-  timeout "$limit" "$PY" scripts/bench.py "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$PY" -m adazeta.bench "$@" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? in $((SECONDS - start)) s (limit $limit s)" | tee -a "$OUT/timings.txt"
 }
 

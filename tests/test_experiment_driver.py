@@ -1,20 +1,15 @@
-"""scripts/experiment.py: grids at one seed, the dev-chosen lr for the other seeds and the stress test."""
+"""adazeta.experiment: grids at one seed, the dev-chosen lr for the other seeds and the stress test."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
+from adazeta import experiment as driver
 from helpers import ROOT
-
-spec = importlib.util.spec_from_file_location("experiment_driver", ROOT / "scripts" / "experiment.py")
-driver = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = driver  # dataclasses look their module up while the class is created
-spec.loader.exec_module(driver)
 
 CONFIG = {
     "arms": {
@@ -28,8 +23,9 @@ CONFIG = {
 
 @pytest.fixture
 def root(tmp_path, monkeypatch):
-    monkeypatch.setattr(driver, "ROOT", tmp_path)
-    return tmp_path
+    """The current directory, under which the driver keeps results/runs."""
+    monkeypatch.chdir(tmp_path)
+    return Path.cwd()
 
 
 def finish(job, dev: float, dev_loss: float = 0.5, status: str = "finished", test: float = 0.0):
@@ -45,6 +41,11 @@ def test_select_runs_every_grid_point_at_the_selection_seed_interleaved_by_arm(r
     assert jobs[1].run_dir.name == "lr=0.001,seed=0"
     assert "method.optimizer.lr=0.001" in driver.command("x", jobs[1], [])
     assert not any(a.startswith("method.optimizer.lr") for a in driver.command("x", jobs[0], []))
+    # Each run is `adazeta-run` with these overrides, its directory given as an absolute path.
+    assert driver.command("x", jobs[1], ["wandb.mode=offline"]) == [
+        sys.executable, "-m", "adazeta.cli", "experiment=x", "method=adazeta", "method.name=zo",
+        "method.optimizer.lr=0.001", "seed=0", "experiment_name=x",
+        f"hydra.run.dir='{root}/results/runs/x/zo/lr=0.001,seed=0'", "wandb.mode=offline"]
 
 
 def test_later_phases_wait_for_the_whole_grid_then_use_the_dev_choice_never_test(root):

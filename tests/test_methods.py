@@ -465,13 +465,9 @@ def test_every_adapter_fits_every_architecture(kind, model_type, reference_targe
 
 def test_memory_benchmark_worker_runs_each_kind_of_step(data_dir):
     import argparse
-    import importlib.util
 
-    from helpers import ROOT
+    from adazeta import bench_memory as bench
 
-    spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "scripts" / "bench_memory.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     args = argparse.Namespace(model="tiny-llama", task="rte", batch_size=4, steps=1, set=[f"data.dir={data_dir}"])
     rows = {m: bench.worker(m, args) for m in ("inference", "ft", "adazeta")}  # forward, AdamW step, ZO step
     trainable = {m: r["trainable_params"] for m, r in rows.items()}

@@ -1,18 +1,12 @@
-"""scripts/bench.py (``make bench``) on a tiny random model and fixture data: every measurement lands in the CSV."""
+"""adazeta.bench (``make bench``) on a tiny random model and fixture data: every measurement lands in the CSV."""
 
 from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import sys
 
-from helpers import ROOT
-
-spec = importlib.util.spec_from_file_location("bench_script", ROOT / "scripts" / "bench.py")
-bench = importlib.util.module_from_spec(spec)
-sys.modules["bench_script"] = bench  # dataclasses look their module up there
-spec.loader.exec_module(bench)
+from adazeta import bench
 
 
 def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):

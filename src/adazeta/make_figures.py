@@ -1,8 +1,9 @@
-#!/usr/bin/env python
 """Write results/figures/*.png: convergence per experiment and task, memory bars, and (optionally) one run.
 
-    python scripts/make_figures.py [--results results/runs] [--out results/figures] [--x forward_passes|step]
-    python scripts/make_figures.py --run outputs/sst2/adazeta/.../   # the curves of a single run
+    python -m adazeta.make_figures [--results results/runs] [--out results/figures] [--x forward_passes|step]
+    python -m adazeta.make_figures --run outputs/sst2/adazeta/.../   # the curves of a single run
+
+Paths are relative to the current directory.
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ import pandas as pd
 from adazeta.plots import convergence_figure, memory_figure, read_run, run_figure
 from adazeta.tables import load_results, select_on_dev, setting_id, setting_of
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", type=Path, default=ROOT / "results" / "runs")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "figures")
+    parser.add_argument("--results", type=Path, default=Path("results", "runs"))
+    parser.add_argument("--out", type=Path, default=Path("results", "figures"))
     parser.add_argument("--x", choices=["forward_passes", "step"], default="forward_passes")
-    parser.add_argument("--memory", type=Path, default=ROOT / "results" / "bench" / "memory.csv")
+    parser.add_argument("--memory", type=Path, default=Path("results", "bench", "memory.csv"))
     parser.add_argument("--run", type=Path, help="plot one run directory instead")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

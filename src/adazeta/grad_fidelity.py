@@ -1,16 +1,15 @@
-#!/usr/bin/env python
 """Gradient fidelity: the ZO estimate against autograd's gradient, on one real minibatch, as Q grows.
 
-    python scripts/grad_fidelity.py                          # adazeta (both inits), mezo_lora, mezo on SmolLM2 SST-2
-    python scripts/grad_fidelity.py --methods adazeta_identity --queries 1 4 16 --seeds 0 1
-    python scripts/grad_fidelity.py --report-only            # rebuild the table and figure from the CSVs
+    python -m adazeta.grad_fidelity                          # adazeta (both inits), mezo_lora, mezo on SmolLM2 SST-2
+    python -m adazeta.grad_fidelity --methods adazeta_identity --queries 1 4 16 --seeds 0 1
+    python -m adazeta.grad_fidelity --report-only            # rebuild the table and figure from the CSVs
 
 For each method: the first minibatch a run with seed 0 trains on (batch 16), the autograd gradient g of its
 loss over the method's trainable set, and for several direction seeds the ZO estimate from Q = 1, 2, 4, ..., 64
 queries (central differences, eps 1e-3): cosine with g, relative norm error, finite-difference error, and the
 loss decrease that a step at the method's learning rate gives on that minibatch, per forward pass spent.
 Writes results/grad_fidelity/<method>.csv (one per method; rerun a method to replace it), fidelity.md and
-results/figures/grad_fidelity.png.
+results/figures/grad_fidelity.png, under the current directory.
 """
 
 from __future__ import annotations
@@ -19,18 +18,16 @@ import argparse
 import csv
 import dataclasses
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
-OUT = ROOT / "results" / "grad_fidelity"
-FIGURE = ROOT / "results" / "figures" / "grad_fidelity.png"
-sys.path.insert(0, str(ROOT / "src"))
+from adazeta.offline import use_shared
+
+OUT = Path("results", "grad_fidelity")
+FIGURE = Path("results", "figures", "grad_fidelity.png")
 
 # method -> (adazeta-run overrides, lr of the step whose effect is measured: the cpu_zo grid's first value)
 METHODS = {
@@ -41,12 +38,6 @@ METHODS = {
 }
 COLUMNS = ["method", "trainable", "lr", "seed", "queries", "cosine", "expected_cosine", "relative_error",
            "norm_ratio", "fd_error", "loss_decrease", "predicted_decrease", "decrease_per_forward", "base_loss"]
-
-
-def offline_env() -> None:
-    for var, sub in (("ADAZETA_MODEL_DIR", "models"), ("ADAZETA_DATA_DIR", "data")):
-        if not os.environ.get(var) and (SHARED / sub).is_dir():
-            os.environ[var] = str(SHARED / sub)
 
 
 def measure(method: str, queries: list[int], seeds: list[int], lr: float | None, extra: list[str]) -> Path:
@@ -108,7 +99,7 @@ def report() -> None:
     lines = [
         "# Gradient fidelity: ZO estimate vs autograd on one SST-2 minibatch (SmolLM2-135M, batch 16, eps 1e-3)",
         "",
-        "Made by `python scripts/grad_fidelity.py` (`make grad-fidelity`). Mean (std) over direction seeds; the",
+        "Made by `python -m adazeta.grad_fidelity` (`make grad-fidelity`). Mean (std) over direction seeds; the",
         "estimate for Q is the mean of the first Q queries of each seed. `expected` is sqrt(Q / (Q + d + 1)), the",
         "cosine of Gaussian-direction SPSA with exact differences. `loss change` is L(w) - L(w - lr g_hat) on the",
         "same minibatch (positive = the step helped); `per forward` divides it by the 2Q forwards spent.",
@@ -155,7 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.queries) < 1:
         sys.exit("grad_fidelity.py: error: --queries must be >= 1")
-    offline_env()
+    use_shared()
     if not args.report_only:
         for method in args.methods:
             measure(method, args.queries, args.seeds, args.lr, args.overrides)

@@ -1,12 +1,12 @@
-#!/usr/bin/env python
 """The cpu_zo experiment's report: lr grids, chosen settings, curves against forward passes, the claims' verdicts.
 
-    python scripts/cpu_zo_report.py [--experiment cpu_zo] [--target 0.75]
+    python -m adazeta.cpu_zo_report [--experiment cpu_zo] [--target 0.75]
 
 Reads results/runs/<experiment>/ and <experiment>_stress/ (result.json, eval.csv, metrics.csv of each run) and
-writes results/tables/<experiment>_report.md and results/figures/<experiment>.png. Learning rates are the ones
-scripts/experiment.py chose on dev at the selection seed; test numbers are read only for the chosen runs.
-Whatever has not run yet is reported as missing, so the report can be made at any point of the experiment.
+writes results/tables/<experiment>_report.md and results/figures/<experiment>.png, all under the current
+directory. Learning rates are the ones adazeta.experiment chose on dev at the selection seed; test numbers are
+read only for the chosen runs. Whatever has not run yet is reported as missing, so the report can be made at any
+point of the experiment.
 """
 
 from __future__ import annotations
@@ -16,15 +16,12 @@ import csv
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from experiment import UNDECIDED, Job, chosen_lr, grid  # noqa: E402
+from adazeta.cli import config_dir
+from adazeta.experiment import UNDECIDED, Job, chosen_lr, grid
 
 MISSING = "—"
 
@@ -76,7 +73,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.75, help="dev accuracy whose cost in forwards is reported")
     args = parser.parse_args()
     name = args.experiment
-    config = yaml.safe_load((ROOT / "conf" / "experiment" / f"{name}.yaml").read_text())
+    config = yaml.safe_load((Path(config_dir()) / "experiment" / f"{name}.yaml").read_text())
     arms, design = config["arms"], config.get("design") or {}
     select_seed = int(design.get("select_seed", 0))
     seeds = [int(s) for s in design.get("seeds", [select_seed])]
@@ -85,7 +82,8 @@ def main() -> None:
 
     lines = [f"# {name}: SmolLM2-135M on SST-2, {budget} forward passes per ZO run", ""]
     lines += [
-        f"Made by `python scripts/cpu_zo_report.py` from results/runs/{name}/ (`scripts/experiment.py {name}`).",
+        f"Made by `python -m adazeta.cpu_zo_report` from results/runs/{name}/ "
+        f"(`python -m adazeta.experiment {name}`).",
         f"Learning rates chosen on dev accuracy (200 dev examples; ties: dev loss) at seed {select_seed}; test = the",
         "872 SST-2 validation sentences, read only for the chosen lr. Forward passes count every loss evaluation of",
         "the ZO estimator (2Q a step); the first-order arm counts one per step (each also runs a backward pass).",
@@ -200,12 +198,12 @@ def main() -> None:
                          f"passes, {cost / lora_cost:.2f}x MeZO-LoRA's {lora_cost:g}: the 1/3 claim is {verdict}.")
     if not verdict_speed:
         lines.append("- AdaZeta against MeZO-LoRA: not measurable yet.")
-    out = ROOT / "results" / "tables" / f"{name}_report.md"
+    out = Path("results", "tables", f"{name}_report.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
-    plot(name, order, runs, arms, zero_test, ROOT / "results" / "figures" / f"{name}.png", args.target)
-    plot_grids(name, order, arms, select_seed, ROOT / "results" / "figures" / f"{name}_grid.png")
+    plot(name, order, runs, arms, zero_test, Path("results", "figures", f"{name}.png"), args.target)
+    plot_grids(name, order, arms, select_seed, Path("results", "figures", f"{name}_grid.png"))
 
 
 def plot_grids(name, order, arms, seed, path: Path) -> None:

@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """Run an experiment's full tuning grid: one Hydra multirun per method, over that method's own grid.
 
-    python scripts/sweep.py table2_llama [--dry] [extra Hydra overrides, e.g. hydra/launcher=joblib]
+    python -m adazeta.sweep table2_llama [--dry] [extra Hydra overrides, e.g. hydra/launcher=joblib]
 
 `adazeta-run -m experiment=NAME` sweeps method x task x seed at each method's reference hyper-parameters; the
 experiment's `tuning:` block gives per-method grids (learning rates differ by orders of magnitude between
@@ -18,11 +17,11 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from adazeta.cli import config_dir
 
 
 def commands(name: str, extra: list[str]) -> list[list[str]]:
-    spec = yaml.safe_load((ROOT / "conf" / "experiment" / f"{name}.yaml").read_text()) or {}
+    spec = yaml.safe_load((Path(config_dir()) / "experiment" / f"{name}.yaml").read_text()) or {}
     params = dict(spec.get("hydra", {}).get("sweeper", {}).get("params", {}))
     tuning = spec.get("tuning") or {}
     methods = [m.strip() for m in str(params.pop("method")).split(",")]
@@ -44,7 +43,7 @@ def main() -> None:
     for cmd in commands(args.experiment, extra):
         print("$ adazeta-run " + " ".join(shlex.quote(a) for a in cmd[3:]), flush=True)
         if not args.dry:
-            failed += subprocess.run(cmd, cwd=ROOT).returncode != 0
+            failed += subprocess.run(cmd).returncode != 0
     sys.exit(1 if failed else 0)
 
 

@@ -1,14 +1,14 @@
-#!/usr/bin/env python
 """Run an experiment made of arms: each arm's lr grid on dev, then seeds at the chosen lr, then a stress test.
 
-    python scripts/experiment.py cpu_zo [--phase select|seeds|stress|all] [--jobs 2] [--threads 1] [--dry]
+    python -m adazeta.experiment cpu_zo [--phase select|seeds|stress|all] [--jobs 2] [--threads 1] [--dry]
                                         [--arms tt_q1,mezo_lora] [extra adazeta-run overrides]
 
 The experiment config (conf/experiment/NAME.yaml) lists `arms` (overrides + lr grid) and `design` (selection
 seed, seeds, stress multipliers, run order). Every run is one `adazeta-run` in its own directory,
-results/runs/NAME/ARM/lr=LR,seed=S; a directory that already holds a finished or diverged result is skipped, so
-the experiment can be interrupted and continued. The lr of an arm is chosen on dev accuracy (ties: dev loss) at
-the selection seed, never on test, and only once its whole grid has run. Stress runs go to NAME_stress.
+results/runs/NAME/ARM/lr=LR,seed=S under the current directory (the repository root through make); a directory
+that already holds a finished or diverged result is skipped, so the experiment can be interrupted and continued.
+The lr of an arm is chosen on dev accuracy (ties: dev loss) at the selection seed, never on test, and only once
+its whole grid has run. Stress runs go to NAME_stress.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
+from adazeta.cli import config_dir
+from adazeta.offline import use_shared
+
 PHASES = ("select", "seeds", "stress")
 
 
@@ -43,10 +44,15 @@ class Job:
     @property
     def run_dir(self) -> Path:
         name = f"seed={self.seed}" if self.lr is None else f"lr={self.lr:g},seed={self.seed}"
-        return ROOT / "results" / "runs" / self.experiment / self.arm / name
+        return runs_dir() / self.experiment / self.arm / name
 
     def done(self) -> bool:
         return status(self.run_dir) in ("finished", "diverged")
+
+
+def runs_dir() -> Path:
+    """results/runs under the current directory, absolute: each run gets it in its hydra.run.dir."""
+    return Path.cwd() / "results" / "runs"
 
 
 def status(run_dir: Path) -> str | None:
@@ -142,7 +148,7 @@ def main() -> None:
     parser.add_argument("--dry", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--factors", type=float, nargs="+", help="stress multipliers, replacing design.stress")
     args, extra = parser.parse_known_args()
-    path = ROOT / "conf" / "experiment" / f"{args.experiment}.yaml"
+    path = Path(config_dir()) / "experiment" / f"{args.experiment}.yaml"
     if not path.is_file():
         sys.exit(f"experiment.py: error: no experiment config {path}")
     config = yaml.safe_load(path.read_text()) or {}
@@ -151,10 +157,7 @@ def main() -> None:
     if not config.get("arms"):
         sys.exit(f"experiment.py: error: {path} has no `arms:` block; run it with adazeta-run -m experiment=...")
 
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
-    for var, sub in (("ADAZETA_MODEL_DIR", "models"), ("ADAZETA_DATA_DIR", "data")):
-        if not env.get(var) and (SHARED / sub).is_dir():
-            env[var] = str(SHARED / sub)
+    env = use_shared(dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads)))
     phases = PHASES if args.phase == "all" else (args.phase,)
     failed = 0
     for phase in phases:  # a later phase reads the choices the earlier ones made
@@ -170,7 +173,7 @@ def main() -> None:
             job.run_dir.mkdir(parents=True, exist_ok=True)
             start = time.time()
             with open(job.run_dir / "stdout.log", "w") as log:
-                rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+                rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
             print(f"# {job.arm} lr={job.lr} seed={job.seed}: {status(job.run_dir)} (exit {rc}, "
                   f"{time.time() - start:.0f} s)", flush=True)
             return rc

@@ -1,7 +1,7 @@
 """Peak memory of one training step per method, on the same model and the same batch.
 
-    python scripts/bench_memory.py                       # SmolLM2-135M, 16 SST-2 prompts, six methods
-    python scripts/bench_memory.py --methods inference adazeta --steps 3 --set model.dtype=bf16
+    python -m adazeta.bench_memory                       # SmolLM2-135M, 16 SST-2 prompts, six methods
+    python -m adazeta.bench_memory --methods inference adazeta --steps 3 --set model.dtype=bf16
 
 Each method runs in a fresh subprocess, because a process's peak resident memory can only grow: a shared
 process would report the largest method for all. In each subprocess the model, adapter, optimizer and batch
@@ -11,7 +11,8 @@ are built first; then the memory high-water mark is reset and ``--steps`` steps 
   ``/proc/self/clear_refs``), so that the transient of loading and dequantizing the model does not hide the
   step's own peak; the whole-process peak (``ru_maxrss``, what a run records) is reported beside it;
 - on a GPU, the CUDA peak allocated during the steps.
-Writes ``results/bench/memory.csv`` (one row per method) and ``memory.json`` (the rows plus provenance).
+Writes ``results/bench/memory.csv`` under the current directory (one row per method) and ``memory.json`` (the
+rows plus provenance).
 Offline when $ADAZETA_MODEL_DIR / $ADAZETA_DATA_DIR (or ../shared) hold the model and data; else the Hub.
 """
 
@@ -29,8 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
+from adazeta.cli import config_dir
+from adazeta.offline import use_shared
+
 METHODS = ["inference", "ft", "lora", "mezo", "mezo_lora", "adazeta"]
 COLUMNS = [
     "method", "trainable_params", "peak_mem_mb", "ratio", "process_peak_mem_mb", "process_ratio", "step_s", "device",
@@ -71,7 +73,6 @@ def worker(method: str, args: argparse.Namespace) -> dict:
     """Build one method's model, optimizer and batch; measure ``args.steps`` steps. Runs in its own process."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "src"))
     from hydra import compose, initialize_config_dir
 
     from adazeta.adapters import ADAPTERS
@@ -93,7 +94,7 @@ def worker(method: str, args: argparse.Namespace) -> dict:
         "wandb.mode=disabled",
         *args.set,
     ]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         s = parse(compose(config_name="config", overrides=overrides))
     seed_everything(s.seed)
     loaded = load_model(s.model, seed=s.seed)
@@ -150,13 +151,10 @@ def worker(method: str, args: argparse.Namespace) -> dict:
 
 
 def run_all(args: argparse.Namespace) -> list[dict]:
-    env = dict(os.environ)
-    for var, sub in (("ADAZETA_MODEL_DIR", "models"), ("ADAZETA_DATA_DIR", "data")):
-        if not env.get(var) and (SHARED / sub).is_dir():
-            env[var] = str(SHARED / sub)
+    env = use_shared(dict(os.environ))
     rows = []
     for method in args.methods:
-        cmd = [sys.executable, __file__, "--worker", method, *sys.argv[1:]]
+        cmd = [sys.executable, "-m", "adazeta.bench_memory", "--worker", method, *sys.argv[1:]]
         print(f"measuring {method} ...", file=sys.stderr, flush=True)
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode != 0:
@@ -193,7 +191,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=2, help="steps measured (AdamW allocates its state in step 1)")
     parser.add_argument("--set", nargs="*", default=[], help="extra Hydra overrides, e.g. model.dtype=bf16")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "memory.csv")
+    parser.add_argument("--out", type=Path, default=Path("results", "bench", "memory.csv"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -207,7 +205,6 @@ def main() -> None:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows({k: r.get(k) for k in COLUMNS} for r in rows)
-    sys.path.insert(0, str(ROOT / "src"))
     from adazeta.results import git_state, package_versions
 
     provenance = {

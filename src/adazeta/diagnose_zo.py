@@ -1,6 +1,6 @@
 """Watch a ZO run from inside: what grows, at which step, and what the loss then measures.
 
-    python scripts/diagnose_zo.py --out results/diagnostics/collapse_lr1e-2.csv -- \
+    python -m adazeta.diagnose_zo --out results/diagnostics/collapse_lr1e-2.csv -- \
         method=adazeta schedule=constant method.optimizer.lr=1e-2
 
 Runs the training loop's ZO steps (same data order, same query seeds as ``adazeta-run`` with these overrides)
@@ -17,23 +17,14 @@ import argparse
 import csv
 import math
 import os
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
-sys.path.insert(0, str(ROOT / "src"))
+from adazeta.offline import use_shared
 
 COLUMNS = ["step", "loss", "n_queries", "forward_passes", "param_norm", "update_norm", "dev_loss", "dev_accuracy",
            "tied_fraction", "final_norm_input_rms", "max_adapter_gain", "overflow_fraction"]
-
-
-def offline_env() -> None:
-    for var, sub in (("ADAZETA_MODEL_DIR", "models"), ("ADAZETA_DATA_DIR", "data")):
-        if not os.environ.get(var) and (SHARED / sub).is_dir():
-            os.environ[var] = str(SHARED / sub)
 
 
 class Probes:
@@ -79,7 +70,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("overrides", nargs="*", help="adazeta-run overrides (after --)")
     args = parser.parse_args()
-    offline_env()
+    use_shared()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
 
     from adazeta.run import build, compose_settings, seed_everything

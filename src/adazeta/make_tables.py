@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """Build results/tables/<experiment>.{md,tex} from result files, with the paper's numbers beside ours.
 
-    python scripts/make_tables.py [--results results/runs ...] [--paper results/paper_numbers.csv]
+    python -m adazeta.make_tables [--results results/runs ...] [--paper results/paper_numbers.csv]
                                   [--out results/tables]
 
 Hyper-parameters are selected on dev only; test is reported as mean (std over seeds, ddof = 1), † counts
@@ -17,15 +16,14 @@ from pathlib import Path
 
 import yaml
 
+from adazeta.cli import config_dir
 from adazeta.errors import ConfigError
 from adazeta.tables import build_table, load_paper_numbers, load_results, select_on_dev, to_latex, to_markdown
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def experiment_axes(name: str) -> tuple[list[str] | None, list[str] | None]:
     """Methods and tasks an experiment compares, read from its sweep in conf/experiment/<name>.yaml."""
-    path = ROOT / "conf" / "experiment" / f"{name}.yaml"
+    path = Path(config_dir()) / "experiment" / f"{name}.yaml"
     if not path.is_file():
         return None, None
     params = ((yaml.safe_load(path.read_text()) or {}).get("hydra") or {}).get("sweeper", {}).get("params", {})
@@ -38,9 +36,9 @@ def experiment_axes(name: str) -> tuple[list[str] | None, list[str] | None]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", nargs="+", type=Path, default=[ROOT / "results" / "runs"])
-    parser.add_argument("--paper", type=Path, default=ROOT / "results" / "paper_numbers.csv")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "tables")
+    parser.add_argument("--results", nargs="+", type=Path, default=[Path("results", "runs")])
+    parser.add_argument("--paper", type=Path, default=Path("results", "paper_numbers.csv"))
+    parser.add_argument("--out", type=Path, default=Path("results", "tables"))
     args = parser.parse_args()
 
     results = load_results([p for p in args.results if p.exists()])

@@ -2,9 +2,9 @@
 throughput, peak memory.
 
     make bench                                           # SmolLM2-135M, 16 real SST-2 prompts, CPU or GPU
-    python scripts/bench.py --repeats 5 --queries 1 4 8 --chunks 4 8
-    python scripts/bench.py --weights random --dtype bf16            # no model or data file: random weights
-    python scripts/bench.py --model llama-1b-random --dtype bf16     # a GPU: random ~1.1 B Llama, bf16 backbone
+    python -m adazeta.bench --repeats 5 --queries 1 4 8 --chunks 4 8
+    python -m adazeta.bench --weights random --dtype bf16            # no model or data file: random weights
+    python -m adazeta.bench --model llama-1b-random --dtype bf16     # a GPU: random ~1.1 B Llama, bf16 backbone
     scripts/bench_gpu.sh                                             # both of the above on a GPU, into $OUT
 
 One run measures, on one batch of ``--batch-size`` SST-2 training prompts (the project's loader and template,
@@ -22,9 +22,10 @@ after ``--warmup`` rounds, with min and max; each round runs every compared vari
 machine weighs on all alike), and ratios are taken round by round. CUDA work is synchronised before every clock
 read; memory is the CUDA peak allocated on a GPU, the resident-set high-water mark of the phase on a CPU.
 
-Writes ``<out>/<model>[-random]-<device>-<dtype>.csv`` (one row per measurement), a ``.md`` table with the
-targets' verdicts and a ``.json`` with the rows and provenance (versions, commit, threads, load average before
-and after: other processes on the machine slow every number down, and the load average says how much).
+Writes ``<out>/<model>[-random]-<device>-<dtype>.csv`` (one row per measurement; ``--out`` is results/bench under
+the current directory unless given), a ``.md`` table with the targets' verdicts and a ``.json`` with the rows and
+provenance (versions, commit, threads, load average before and after: other processes on the machine slow every
+number down, and the load average says how much).
 """
 
 from __future__ import annotations
@@ -46,21 +47,19 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
-sys.path.insert(0, str(ROOT / "src"))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from adazeta.adapters import ADAPTERS  # noqa: E402
-from adazeta.evaluate import evaluate  # noqa: E402
-from adazeta.models import count_parameters, load_model  # noqa: E402
-from adazeta.optim import OPTIMIZERS  # noqa: E402
-from adazeta.optim.batched import ReplicaClosure  # noqa: E402
-from adazeta.results import git_state, package_versions  # noqa: E402
-from adazeta.scoring import Encoded, batch_loss, batches, collate, encode, replica_losses  # noqa: E402
-from adazeta.tracking import sync  # noqa: E402
+from adazeta.adapters import ADAPTERS
+from adazeta.cli import config_dir
+from adazeta.evaluate import evaluate
+from adazeta.models import count_parameters, load_model
+from adazeta.offline import use_shared
+from adazeta.optim import OPTIMIZERS
+from adazeta.optim.batched import ReplicaClosure
+from adazeta.results import git_state, package_versions
+from adazeta.scoring import Encoded, batch_loss, batches, collate, encode, replica_losses
+from adazeta.tracking import sync
 
 # name -> the model config the run composes (llama-1b-random borrows SmolLM2's tokenizer; tiny-llama: smoke tests).
 REFERENCE_ROW = "reference zo_forward (TT adapters; a row per candidate, padded to x8, full-vocabulary log-softmax)"
@@ -110,13 +109,6 @@ class Setup:
     dev_items: list[Encoded]  # evaluation examples
 
 
-def offline_env() -> None:
-    """Use ../shared for the model and data when the user has not pointed elsewhere (as `make` does)."""
-    for var, sub in (("ADAZETA_MODEL_DIR", "models"), ("ADAZETA_DATA_DIR", "data")):
-        if not os.environ.get(var) and (SHARED / sub).is_dir():
-            os.environ[var] = str(SHARED / sub)
-
-
 def settings_for(args: argparse.Namespace, method: str = "adazeta", task: str = "sst2") -> Any:
     """The project's parsed settings of ``method`` on ``task`` for the benchmark's model, dtype and device."""
     from hydra import compose, initialize_config_dir
@@ -129,7 +121,7 @@ def settings_for(args: argparse.Namespace, method: str = "adazeta", task: str = 
         f"data.num_train={max(args.batch_size, 64)}", f"data.num_dev={args.eval_examples}", "data.num_eval=8",
         "wandb.mode=disabled",
     ]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         return parse(compose(config_name="config", overrides=overrides))
 
 
@@ -524,7 +516,7 @@ def measure_memory(args: argparse.Namespace, report: Report) -> None:
     phases = ["inference", "adazeta", *(f"adazeta_batched:{c}" for c in args.chunks), "first_order",
               *(f"method:{m}" for m in args.methods)]
     for phase in phases:
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--phase", phase]
+        cmd = [sys.executable, "-m", "adazeta.bench", *sys.argv[1:], "--phase", phase]
         print(f"memory: {phase} ...", file=sys.stderr, flush=True)
         out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
         if out.returncode != 0:
@@ -614,12 +606,12 @@ def main() -> None:
     parser.add_argument("--memory-steps", type=int, default=2)
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-reference", action="store_true", help="skip the reference computation's forward")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench")
+    parser.add_argument("--out", type=Path, default=Path("results", "bench"))
     parser.add_argument("--phase", help=argparse.SUPPRESS)  # internal: one memory phase, e.g. adazeta_batched:4
     args = parser.parse_args()
     global NOISE, QUERY_MEMORY
     NOISE, QUERY_MEMORY = args.noise, args.query_memory
-    offline_env()
+    use_shared()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.phase:
