@@ -62,6 +62,20 @@ def test_bench_runs_without_model_or_data_files(tmp_path, monkeypatch):
     assert any(r["setting"].startswith("rte, batch 2") for r in rows)
 
 
+def test_bench_options_compose_to_the_settings_of_a_run():
+    """The options are adazeta-run overrides; llama-1b-random is SmolLM2's config with a ~1.1 B architecture."""
+    args = argparse.Namespace(model="llama-1b-random", weights="real", dtype="bf16", device="cpu", batch_size=16,
+                              eval_examples=64)
+    s = bench.settings_for(args)
+    assert s.model.random_init and s.model.name == "llama-1b-random" and s.model.dtype == "bf16"
+    assert {k: s.model.architecture[k] for k in bench.LLAMA_1B} == bench.LLAMA_1B
+    assert s.adapter.config.shape_down is None  # TT shapes derived for hidden 2048, not SmolLM2's 576
+    assert s.optimizer.config.noise == bench.NOISE and s.data.num_dev == 64
+    batched = bench.settings_for(args, extra=bench.zo_variant(True, "auto")).optimizer.config
+    assert batched.batched_queries and batched.query_chunk == "auto"
+    assert bench.settings_for(args, "tt_adapter").optimizer.kind == "adamw"
+
+
 def test_reference_forward_is_the_reference_loss():
     """The reference row computes the same loss as ours (per-candidate rows, x8 padding change no number)."""
     import torch

@@ -22,6 +22,12 @@ after ``--warmup`` rounds, with min and max; each round runs every compared vari
 machine weighs on all alike), and ratios are taken round by round. CUDA work is synchronised before every clock
 read; memory is the CUDA peak allocated on a GPU, the resident-set high-water mark of the phase on a CPU.
 
+Every model and optimizer is wired by ``adazeta.run.build`` from the settings the options compose to (``--model``,
+``--weights``, ``--dtype``, ``--device``, the method; AdaZeta's sequential and batched optimizers as overrides, the
+first-order step as method ``tt_adapter``'s AdamW). Random weights are the one piece made here: a seeded random
+model of the architecture with SmolLM2's full vocabulary, and synthetic prompts, given to ``build`` in place of a
+loaded model and task data.
+
 Writes ``<out>/<model>[-random]-<device>-<dtype>.csv`` (one row per measurement; ``--out`` is results/bench under
 the current directory unless given), a ``.md`` table with the targets' verdicts and a ``.json`` with the rows and
 provenance (versions, commit, threads, load average before and after: other processes on the machine slow every
@@ -45,26 +51,28 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from adazeta.adapters import ADAPTERS
-from adazeta.cli import config_dir
 from adazeta.evaluate import evaluate
-from adazeta.models import count_parameters, load_model
+from adazeta.models import LoadedModel, ModelSource, architecture_config, load_model, resolve_device
 from adazeta.offline import use_shared
-from adazeta.optim import OPTIMIZERS
 from adazeta.optim.batched import ReplicaClosure
 from adazeta.results import git_state, package_versions
+from adazeta.run import Built, build, build_optimizer, compose_settings, seed_everything
 from adazeta.scoring import Encoded, batch_loss, batches, collate, encode, replica_losses
-from adazeta.tracking import sync
+from adazeta.settings import Settings
+from adazeta.tasks.loaders import TaskData, load_task
+from adazeta.tracking import quiet_third_party, sync
 
-# name -> the model config the run composes (llama-1b-random borrows SmolLM2's tokenizer; tiny-llama: smoke tests).
 REFERENCE_ROW = "reference zo_forward (TT adapters; a row per candidate, padded to x8, full-vocabulary log-softmax)"
+# name -> the model config the run composes (llama-1b-random: SmolLM2's config with LLAMA_1B's architecture, always
+# random weights; tiny-llama: smoke tests).
 MODELS = {"smollm2-135m": "smollm2-135m", "llama-1b-random": "smollm2-135m", "tiny-llama": "tiny-llama"}
-# A TinyLlama-1.1B-shaped decoder with SmolLM2's vocabulary (so the same prompts tokenise the same way).
+# A TinyLlama-1.1B-shaped decoder with SmolLM2's vocabulary (so the same prompts tokenise the same way): overrides
+# of model.architecture.
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                 num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False)
 VOCAB, PAD_ID = 49152, 2  # SmolLM2's vocabulary size and pad id (its <|im_end|>), used by random-weight models
@@ -96,56 +104,90 @@ TARGETS = {"s_per_query": 2.0, "step_over_forwards": 1.02, "memory_over_inferenc
 METHOD_TARGETS = {"mezo": (1.2, 1.15), "sparse_mezo": (1.2, 1.15), "adapters": (1.02, 1.05)}
 
 
-# --- setup ---------------------------------------------------------------------------------------------------
+# --- setup: the runner's wiring (adazeta.run.build) ----------------------------------------------------------
 
 
 @dataclasses.dataclass
 class Setup:
-    model: torch.nn.Module
-    tokenizer: Any
-    device: torch.device
-    settings: Any  # adazeta.run.Settings of the method (AdaZeta unless asked otherwise) on the task
+    built: Built  # adazeta.run.build's pieces: the model with the method's adapter, its optimizer, the task data
+    settings: Settings  # the method (AdaZeta unless asked otherwise) on SST-2, as the benchmark's options compose it
     items: list[Encoded]  # the benchmark batch
     dev_items: list[Encoded]  # evaluation examples
 
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.built.model
 
-def settings_for(args: argparse.Namespace, method: str = "adazeta", task: str = "sst2") -> Any:
-    """The project's parsed settings of ``method`` on ``task`` for the benchmark's model, dtype and device."""
-    from hydra import compose, initialize_config_dir
+    @property
+    def tokenizer(self) -> Any:
+        return self.built.tokenizer
 
-    from adazeta.run import parse
+    @property
+    def device(self) -> torch.device:
+        return self.built.device
 
-    overrides = [
+
+def random_weights(args: argparse.Namespace) -> bool:
+    """A seeded random initialisation instead of the model's weights: ``--weights random``, and llama-1b-random."""
+    return args.weights == "random" or args.model == "llama-1b-random"
+
+
+def overrides(args: argparse.Namespace, method: str = "adazeta", task: str = "sst2", extra: Sequence[str] = ()
+              ) -> list[str]:
+    """The ``adazeta-run`` overrides of the benchmark's options: model, dtype, device, method and task; random
+    weights set ``model.random_init=true``, and llama-1b-random is SmolLM2's config with a ~1.1 B architecture."""
+    out = [
         f"model={MODELS[args.model]}", f"task={task}", f"method={method}",
         f"model.dtype={args.dtype}", f"model.device={args.device}",
         f"data.num_train={max(args.batch_size, 64)}", f"data.num_dev={args.eval_examples}", "data.num_eval=8",
         "wandb.mode=disabled",
     ]
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return parse(compose(config_name="config", overrides=overrides))
-
-
-def backbone(args: argparse.Namespace, s: Any) -> tuple[torch.nn.Module, Any, torch.device]:
-    """(model, tokenizer, device): the real weights, or (``--weights random`` and ``llama-1b-random``) a seeded
-    random initialisation of the architecture with its full vocabulary, which needs no file at all."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from adazeta.models import architecture_config, resolve_device
-
-    if args.weights == "real" and args.model != "llama-1b-random":
-        loaded = load_model(s.model, seed=s.seed)
-        return loaded.model, loaded.tokenizer, loaded.device
-    device = resolve_device(s.model.device)
+    if random_weights(args):
+        out.append("model.random_init=true")
     if args.model == "llama-1b-random":
-        config = LlamaConfig(vocab_size=VOCAB, pad_token_id=PAD_ID, **LLAMA_1B)
-    else:
-        config = architecture_config(s.model, vocab_size=VOCAB)  # SmolLM2's vocabulary, which the prompts use
-        config.pad_token_id = PAD_ID
+        # SmolLM2's reference TT shapes are for hidden 576: null derives balanced ones for this width.
+        out += ["model.name=llama-1b-random", "model.tt_shapes=null"]
+        out += [f"model.architecture.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in LLAMA_1B.items()]
+    if method in ZO_METHODS:
+        out.append(f"++method.optimizer.noise={NOISE}")
+    return [*out, *extra]
+
+
+def settings_for(args: argparse.Namespace, method: str = "adazeta", task: str = "sst2", extra: Sequence[str] = ()
+                 ) -> Settings:
+    """The settings ``adazeta-run`` runs for :func:`overrides`."""
+    return compose_settings(overrides(args, method, task, extra))
+
+
+def zo_variant(batched: bool, chunk: int | str) -> list[str]:
+    """The overrides of an AdaZeta optimizer the benchmark times: sequential or batched queries, and the chunk."""
+    return [f"method.optimizer.batched_queries={'true' if batched else 'false'}",
+            f"method.optimizer.query_chunk={chunk}", f"method.optimizer.query_memory={QUERY_MEMORY}"]
+
+
+def random_backbone(s: Settings) -> LoadedModel:
+    """A seeded random initialisation of ``s.model``'s architecture with SmolLM2's full vocabulary, built on its
+    device; needs no file. (The random models ``adazeta.models.load_model`` builds take the vocabulary of a small
+    in-memory tokenizer: the synthetic prompts index SmolLM2's, and its full LM head is part of every forward.)"""
+    from transformers import AutoModelForCausalLM
+
+    device = resolve_device(s.model.device)
+    config = architecture_config(s.model, vocab_size=VOCAB)
+    config.pad_token_id = PAD_ID
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(s.seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=s.model.torch_dtype)
-    return model.eval().requires_grad_(False), SimpleNamespace(pad_token_id=PAD_ID), device
+    model.eval().requires_grad_(False)
+    return LoadedModel(model, SimpleNamespace(pad_token_id=PAD_ID), "causal", ModelSource("random"), device)
+
+
+def backbone(args: argparse.Namespace, s: Settings) -> LoadedModel:
+    """The plain model: the real weights as a run loads them, or (random weights) :func:`random_backbone`."""
+    if random_weights(args):
+        return random_backbone(s)
+    quiet_third_party(s.verbose)
+    return load_model(s.model, seed=s.seed)
 
 
 def synthetic_items(task: str, n: int, seed: int, vocab: int) -> list[Encoded]:
@@ -157,56 +199,51 @@ def synthetic_items(task: str, n: int, seed: int, vocab: int) -> list[Encoded]:
                     [list(c) for c in candidates], i % len(candidates)) for i in range(n)]
 
 
-def bench_items(args: argparse.Namespace, s: Any, tok: Any, task: str, n: int, split: str = "train") -> list[Encoded]:
-    """``n`` encoded examples of ``task``: the project's loader and template, or synthetic (random weights)."""
-    if args.weights == "random" or args.model == "llama-1b-random":
-        return synthetic_items(task, n, s.seed + (split == "dev"), VOCAB)
-    from adazeta.tasks.loaders import load_task
-
+def bench_items(args: argparse.Namespace, s: Settings, tok: Any, task: str, n: int) -> list[Encoded]:
+    """``n`` encoded training examples of ``task`` (the scaling rows' prompts): the project's loader and template,
+    or synthetic (random weights). The task data alone: a build would load another model."""
+    if random_weights(args):
+        return synthetic_items(task, n, s.seed, VOCAB)
     if task != s.task.name:
         s = settings_for(args, "adazeta", task)
     data = load_task(s.task, s.data, "causal", s.seed, None)
-    return encode(getattr(data, split)[:n], tok, "causal", s.model.max_length)
+    return encode(data.train[:n], tok, "causal", s.model.max_length)
 
 
-def build(args: argparse.Namespace, adapters: bool = True, method: str = "adazeta") -> Setup:
-    """Model (+ the method's adapters), tokenizer and the benchmark batch, through the project's config."""
-    from adazeta.run import seed_everything
-
-    s = settings_for(args, method)
+def setup_for(args: argparse.Namespace, method: str = "adazeta", extra: Sequence[str] = (),
+              plain: LoadedModel | None = None) -> Setup:
+    """``method``'s model, optimizer and the benchmark batch, wired by ``adazeta.run.build`` from the settings the
+    options compose to (``extra``: more overrides). ``plain``: a backbone already made, which the model copies (the
+    methods compared on one batch share one load); else the backbone is loaded, or randomly initialised, here.
+    Random weights come with synthetic prompts of SST-2's lengths, so that no data file is read."""
+    s = settings_for(args, method, extra=extra)
     seed_everything(s.seed)
-    model, tok, device = backbone(args, s)
-    if args.model == "llama-1b-random":
-        # SmolLM2's reference TT shapes are for hidden 576: derive balanced ones for this width.
-        s.adapter.config = adapter_config_for(s, args)
-    if adapters:
-        model = ADAPTERS.get(s.adapter.kind).builder(model, s.adapter.config)
-    items = bench_items(args, s, tok, "sst2", args.batch_size)
-    dev_items = bench_items(args, s, tok, "sst2", args.eval_examples, "dev")
-    return Setup(model, tok, device, s, items, dev_items)
+    if plain is not None:
+        plain = dataclasses.replace(plain, model=copy.deepcopy(plain.model))
+    elif random_weights(args):
+        plain = random_backbone(s)
+    synthetic = TaskData([], [], [], "synthetic prompts") if random_weights(args) else None
+    built = build(s, loaded=plain, data=synthetic)
+    if synthetic is not None:
+        items = synthetic_items("sst2", args.batch_size, s.seed, VOCAB)
+        dev_items = synthetic_items("sst2", args.eval_examples, s.seed + 1, VOCAB)
+    else:
+        items, dev_items = built.enc["train"][: args.batch_size], built.enc["dev"][: args.eval_examples]
+    return Setup(built, s, items, dev_items)
 
 
-def adapter_config_for(s: Any, args: argparse.Namespace) -> Any:
-    """The method's adapter config; TT shapes derived for the width when the model is not SmolLM2's."""
-    cfg = s.adapter.config
-    if args.model == "llama-1b-random" and hasattr(cfg, "shape_down"):
-        cfg = dataclasses.replace(cfg, shape_down=None, shape_up=None)
-    return cfg
-
-
-def zo_optimizer(setup: Setup, batched: bool, chunk: int | str, n_queries: int) -> torch.optim.Optimizer:
-    named = [(n, p) for n, p in setup.model.named_parameters() if p.requires_grad]
-    cfg = dataclasses.replace(setup.settings.optimizer.config, batched_queries=batched, query_chunk=chunk,
-                              noise=NOISE, query_memory=QUERY_MEMORY)
-    opt = OPTIMIZERS.get(setup.settings.optimizer.kind).builder(named, cfg, setup.settings.seed)
+def zo_optimizer(args: argparse.Namespace, setup: Setup, batched: bool, chunk: int | str, n_queries: int
+                 ) -> torch.optim.Optimizer:
+    """Another AdaZeta optimizer over ``setup``'s adapters, from the settings of its variant: the rounds time
+    several side by side on one model (a build makes one optimizer per model)."""
+    opt = build_optimizer(settings_for(args, "adazeta", extra=zo_variant(batched, chunk)), setup.built.named)
     opt.n_queries = n_queries
     return opt
 
 
-def first_order_optimizer(setup: Setup) -> torch.optim.Optimizer:
-    entry = OPTIMIZERS.get("adamw")
-    named = [(n, p) for n, p in setup.model.named_parameters() if p.requires_grad]
-    return entry.builder(named, entry.config_cls(), setup.settings.seed)
+def first_order_optimizer(args: argparse.Namespace, setup: Setup) -> torch.optim.Optimizer:
+    """AdamW over ``setup``'s TT adapters, as method tt_adapter (AdaZeta's trainable set, first-order) sets it."""
+    return build_optimizer(settings_for(args, "tt_adapter"), setup.built.named)
 
 
 def first_order_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
@@ -314,8 +351,12 @@ class Report:
 
 def measure_speed(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     """All timings, in this process: forwards (plain, adapted, reference), ZO steps, first-order, evaluation."""
-    setup = build(args, adapters=False)
-    model, device, tok = setup.model, setup.device, setup.tokenizer
+    s = settings_for(args)
+    seed_everything(s.seed)
+    plain = backbone(args, s)
+    # AdaZeta's model is a copy, so that plain and adapted forwards can be timed side by side.
+    setup = setup_for(args, plain=plain)
+    model, adapted_model, device, tok = plain.model, setup.model, setup.device, setup.tokenizer
     batch = collate(setup.items, "causal", tok.pad_token_id).to(device)
     rows_batch = collate(setup.items, "causal", tok.pad_token_id, layout="rows").to(device)
     info = {
@@ -328,10 +369,7 @@ def measure_speed(args: argparse.Namespace, report: Report) -> dict[str, Any]:
           f"{statistics.mean(info['prompt_tokens']):.1f}, max {max(info['prompt_tokens'])}); packed "
           f"{info['packed_rows_x_width']}, rows layout {info['rows_layout_rows_x_width']}", file=sys.stderr)
     r, w = args.repeats, args.warmup
-    # The adapted model is a copy, so that plain and adapted forwards can be timed side by side.
-    adapter = ADAPTERS.get(setup.settings.adapter.kind)
-    adapted_model = adapter.builder(copy.deepcopy(model), setup.settings.adapter.config)
-    info["trainable_params"] = count_parameters(adapted_model)[1]
+    info["trainable_params"] = setup.built.trainable_params
     forwards = {
         "plain, packed": lambda: batch_loss(model, batch, "causal"),
         "plain, rows layout": lambda: batch_loss(model, rows_batch, "causal"),
@@ -346,16 +384,16 @@ def measure_speed(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         report.add("forward", "inference forward", name, stats, "s")
     overhead = fwd["TT adapters, packed"].median / fwd["plain, packed"].median - 1
     report.add("forward", "TT adapters' forward overhead", "adapted / plain - 1 (medians)", overhead, "x")
-    measure_methods(args, report, model, batch)
-    del model
-    model = setup.model = adapted_model
+    measure_methods(args, report, plain, batch)
+    del model, plain
+    model = adapted_model
 
     closure = ReplicaClosure(model, functools.partial(replica_losses, model, batch, "causal"), batch)
     for q in args.queries:
-        opts = {"sequential": zo_optimizer(setup, False, 1, q)}
+        opts = {"sequential": zo_optimizer(args, setup, False, 1, q)}
         n_forwards = 2 * q if opts["sequential"].estimator == "central" else q + 1
         for chunk in args.chunks:  # chunks at or above the step's loss evaluations all run the same forwards
-            opts[f"batched (chunk {chunk})"] = zo_optimizer(setup, True, chunk, q)
+            opts[f"batched (chunk {chunk})"] = zo_optimizer(args, setup, True, chunk, q)
         # The step's own number of plain loss forwards (no autograd, as the step runs them), in the same rounds.
         runs = {"forwards": torch.no_grad()(lambda: [float(closure()) for _ in range(n_forwards)])}
         runs.update({f"Q={q}, {m}": functools.partial(lambda o: float(o.step(closure)), o) for m, o in opts.items()})
@@ -371,7 +409,7 @@ def measure_speed(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     if args.scaling_sizes:
         measure_scaling(args, report, setup)
 
-    fo = first_order_optimizer(setup)
+    fo = first_order_optimizer(args, setup)
     stats = timed({"fo": lambda: float(first_order_step(model, fo, batch))}, device, r, w)["fo"]
     report.add("first_order", "first-order step (AdamW, TT adapters)", "packed", stats, "s")
 
@@ -388,38 +426,30 @@ def measure_speed(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     return info
 
 
-def method_model(args: argparse.Namespace, method: str, plain: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
-    """(a copy of ``plain`` with ``method``'s trainable part, its ZO optimizer as the method config builds it)."""
-    s = settings_for(args, method)
-    model = ADAPTERS.get(s.adapter.kind).builder(copy.deepcopy(plain), adapter_config_for(s, args))
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    opt = OPTIMIZERS.get(s.optimizer.kind).builder(named, dataclasses.replace(s.optimizer.config, noise=NOISE), s.seed)
-    opt.n_queries = 1
-    return model, opt
-
-
-def measure_methods(args: argparse.Namespace, report: Report, plain: torch.nn.Module, batch: Any) -> None:
-    """Every ZO method on the same batch: its step (Q = 1, sequential, its own config) against 2 of its forwards."""
+def measure_methods(args: argparse.Namespace, report: Report, plain: LoadedModel, batch: Any) -> None:
+    """Every ZO method on the same batch: its step (Q = 1, sequential, its own config and optimizer, on a copy of
+    ``plain``) against 2 of its forwards."""
     device = batch.input_ids.device
     for method in args.methods:
-        model, opt = method_model(args, method, plain)
+        setup = setup_for(args, method, plain=plain)
+        model, opt = setup.model, setup.built.optimizer
+        opt.n_queries = 1
         loss = functools.partial(batch_loss, model, batch, "causal")
         runs = {"forwards": torch.no_grad()(lambda: [float(loss()) for _ in range(2)]),
                 "step": lambda: float(opt.step(loss))}
         stats = timed(runs, device, args.repeats, args.warmup)
-        trainable = count_parameters(model)[1]
-        setting = f"{method} ({trainable:,} trainable), Q=1, sequential"
+        setting = f"{method} ({setup.built.trainable_params:,} trainable), Q=1, sequential"
         report.add("methods", "ZO step per query", setting, stats["step"], "s")
         report.add("methods", "loss forward", setting, stats["forwards"].scaled(0.5), "s")
         report.add("methods", "ZO step / 2Q forwards", setting, stats["step"].over(stats["forwards"]), "x")
-        del model, opt, loss, runs
+        del setup, model, opt, loss, runs
         gc.collect()
 
 
 def measure_scaling(args: argparse.Namespace, report: Report, setup: Setup) -> None:
     """AdaZeta's step (Q = 1, sequential) and its 2 forwards against batch size and prompt length (SST-2, RTE)."""
     model, device, tok = setup.model, setup.device, setup.tokenizer
-    opt = zo_optimizer(setup, False, 1, 1)
+    opt = zo_optimizer(args, setup, False, 1, 1)
     for task in ("sst2", "rte"):
         pool = bench_items(args, setup.settings, tok, task, max(args.scaling_sizes))
         for size in args.scaling_sizes:
@@ -460,28 +490,29 @@ def _reset_rss_peak() -> bool:
 def memory_phase(args: argparse.Namespace) -> dict[str, Any]:
     """Build everything, then reset the peak and run ``--memory-steps`` of one phase. Runs in its own process."""
     phase, _, chunk = args.phase.partition(":")
-    setup = build(args, method=chunk if phase == "method" else "adazeta")
-    model, device = setup.model, setup.device
+    if phase == "method":  # the method's own config and optimizer
+        setup = setup_for(args, chunk)
+    elif phase in ("adazeta", "adazeta_batched"):  # AdaZeta's optimizer, sequential or batched queries
+        setup = setup_for(args, "adazeta", zo_variant(phase == "adazeta_batched", chunk_arg(chunk or "1")))
+    elif phase == "first_order":  # AdamW on AdaZeta's TT adapters
+        setup = setup_for(args, "tt_adapter")
+    else:  # inference: a forward of AdaZeta's adapted model
+        setup = setup_for(args, "adazeta")
+    model, device, opt = setup.model, setup.device, setup.built.optimizer
     batch = collate(setup.items, "causal", setup.tokenizer.pad_token_id).to(device)
     closure = ReplicaClosure(model, functools.partial(replica_losses, model, batch, "causal"), batch)
-    opt = None
     if phase == "inference":
         def run() -> None:
             with torch.inference_mode():
                 float(batch_loss(model, batch, "causal"))
     elif phase in ("adazeta", "adazeta_batched"):
-        opt = zo_optimizer(setup, phase == "adazeta_batched", chunk_arg(chunk or "1"), args.memory_queries)
+        opt.n_queries = args.memory_queries
         run = lambda: float(opt.step(closure))  # noqa: E731
-    elif phase == "method":  # the method's own config, Q = 1, sequential
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        s = setup.settings
-        opt = OPTIMIZERS.get(s.optimizer.kind).builder(named, dataclasses.replace(s.optimizer.config, noise=NOISE),
-                                                        s.seed)
+    elif phase == "method":  # Q = 1, sequential
         opt.n_queries = 1
         run = lambda: float(opt.step(functools.partial(batch_loss, model, batch, "causal")))  # noqa: E731
     else:
-        fo = first_order_optimizer(setup)
-        run = lambda: float(first_order_step(model, fo, batch))  # noqa: E731
+        run = lambda: float(first_order_step(model, opt, batch))  # noqa: E731
     gc.collect()
     if device.type == "cpu":
         try:  # hand the loader's freed heap back to the OS, so that it is not counted as the phase's memory

@@ -5,8 +5,9 @@
 
 Each method runs in a fresh subprocess, because a process's peak resident memory can only grow: a shared
 process would report the largest method for all. In each subprocess the model, adapter, optimizer and batch
-are built first; then the memory high-water mark is reset and ``--steps`` steps run (a forward for
-``inference``, a ZO-SGD step for ZO methods, an AdamW step for first-order ones). Reported:
+are built first, as a run wires them (``adazeta.run.build``); then the memory high-water mark is reset and
+``--steps`` steps run (a forward for ``inference``, a ZO-SGD step for ZO methods, an AdamW step for first-order
+ones). Reported:
 - on the CPU, the peak resident set size during the steps (``VmHWM`` after resetting it through
   ``/proc/self/clear_refs``), so that the transient of loading and dequantizing the model does not hide the
   step's own peak; the whole-process peak (``ru_maxrss``, what a run records) is reported beside it;
@@ -30,7 +31,6 @@ import sys
 import time
 from pathlib import Path
 
-from adazeta.cli import config_dir
 from adazeta.offline import use_shared
 
 METHODS = ["inference", "ft", "lora", "mezo", "mezo_lora", "adazeta"]
@@ -70,17 +70,12 @@ def _release_free_heap() -> None:
 
 
 def worker(method: str, args: argparse.Namespace) -> dict:
-    """Build one method's model, optimizer and batch; measure ``args.steps`` steps. Runs in its own process."""
+    """Build one method's model, optimizer and batch (``adazeta.run.build``); measure ``args.steps`` steps. Runs in
+    its own process."""
     import torch
 
-    from hydra import compose, initialize_config_dir
-
-    from adazeta.adapters import ADAPTERS
-    from adazeta.models import count_parameters, load_model
-    from adazeta.optim import OPTIMIZERS
-    from adazeta.run import parse, seed_everything
-    from adazeta.scoring import batch_loss, collate, encode
-    from adazeta.tasks.loaders import load_task
+    from adazeta.run import build, compose_settings, seed_everything
+    from adazeta.scoring import batch_loss, collate
     from adazeta.train import first_order_step
 
     overrides = [
@@ -94,21 +89,16 @@ def worker(method: str, args: argparse.Namespace) -> dict:
         "wandb.mode=disabled",
         *args.set,
     ]
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        s = parse(compose(config_name="config", overrides=overrides))
+    s = compose_settings(overrides)
     seed_everything(s.seed)
-    loaded = load_model(s.model, seed=s.seed)
-    device, family, tok = loaded.device, loaded.family, loaded.tokenizer
-    model = ADAPTERS.get(s.adapter.kind).builder(loaded.model, s.adapter.config)
-    _, trainable = count_parameters(model)
-    data = load_task(s.task, s.data, family, s.seed, getattr(tok, "mask_token", None))
-    items = encode(data.train[: args.batch_size], tok, family, s.model.max_length)
+    built = build(s)  # model + adapter, task data, optimizer: as a run wires them
+    model, optimizer, device, family, tok = built.model, built.optimizer, built.device, built.family, built.tokenizer
+    trainable = built.trainable_params
+    items = built.enc["train"][: args.batch_size]
     mask_id = getattr(tok, "mask_token_id", None)
     batch = collate(items, family, tok.pad_token_id, mask_id).to(device)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    optimizer = OPTIMIZERS.get(s.optimizer.kind).builder(named, s.optimizer.config, s.seed) if s.optimizer else None
     zeroth_order = getattr(optimizer, "zeroth_order", False)
-    del data, loaded
+    del built
 
     def step() -> None:
         if optimizer is None:

@@ -63,7 +63,7 @@ log = logging.getLogger("adazeta")
 
 
 def compose_settings(overrides: list[str]) -> Settings:
-    """The settings ``adazeta-run <overrides>`` would run, for scripts that use the runner's wiring."""
+    """The settings ``adazeta-run <overrides>`` would run, for the tools that use the runner's wiring."""
     from hydra import compose, initialize_config_dir
 
     from adazeta.cli import config_dir
@@ -118,7 +118,7 @@ def preflight(s: Settings) -> None:
 
 @dataclass
 class Built:
-    """A run's pieces, wired from its settings: what ``execute`` trains and what scripts (probes, benchmarks) use."""
+    """A run's pieces, wired from its settings: what ``execute`` trains and what the tools (benchmarks) use."""
 
     loaded: LoadedModel
     model: nn.Module  # the backbone with the method's adapter; only the trainable set requires grad
@@ -150,10 +150,16 @@ class Built:
         return self.loaded.tokenizer
 
 
-def build(s: Settings) -> Built:
-    """Model + adapter -> task data -> optimizer + query schedule, as every run wires them."""
+def build(s: Settings, loaded: LoadedModel | None = None, data: TaskData | None = None) -> Built:
+    """Model + adapter -> task data -> optimizer + query schedule, as every run wires them.
+
+    A run passes the settings alone. ``loaded`` and ``data`` stand in for the model and the task data the settings
+    name, for the speed benchmark's random models with a real tokenizer's full vocabulary and its synthetic
+    prompts (``adazeta.bench``, ``--weights random``), which need no file.
+    """
     quiet_third_party(s.verbose)
-    loaded = load_model(s.model, seed=s.seed)
+    if loaded is None:
+        loaded = load_model(s.model, seed=s.seed)
     if s.model.dtype != "fp32" and s.adapter.kind == "full" and s.optimizer and s.optimizer.kind == "zo_sgd":
         log.warning("ZO perturbations of %s weights lose precision; prefer model.dtype=fp32", s.model.dtype)
     model = ADAPTERS.get(s.adapter.kind).builder(loaded.model, s.adapter.config)
@@ -161,22 +167,28 @@ def build(s: Settings) -> Built:
     log.info("model %s from %s on %s: %s parameters, %s trainable (%s)", s.model.name, loaded.source.kind,
              loaded.device, f"{total:,}", f"{trainable:,}", s.adapter.kind)
     family, tok = loaded.family, loaded.tokenizer
-    data = load_task(s.task, s.data, family, s.seed, getattr(tok, "mask_token", None), train_use(s) is not None)
+    if data is None:
+        data = load_task(s.task, s.data, family, s.seed, getattr(tok, "mask_token", None), train_use(s) is not None)
     demonstrations = None
     if s.demonstrations is not None:  # ICL: the mean number of demonstrations that fit a test prompt
         demonstrations = add_demonstrations_(data, s.demonstrations, tok, family, s.model.max_length, s.seed)
     enc = {split: encode(getattr(data, split), tok, family, s.model.max_length) for split in ("train", "dev", "eval")}
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    optimizer = None
-    if s.optimizer is not None:
-        if not named:
-            raise ConfigError(f"method {s.method!r} has an optimizer but nothing to train")
-        optimizer = OPTIMIZERS.get(s.optimizer.kind).builder(named, s.optimizer.config, s.seed)
+    optimizer = build_optimizer(s, named)
     length = run_length(s, len(data.train))
     schedule = SCHEDULES.get(s.schedule.kind).builder(s.schedule.config, length.schedule_epochs)
     log.info("task %s: %d train / %d dev / %d test examples from %s", s.task.name, len(data.train),
              len(data.dev), len(data.eval), data.source)
     return Built(loaded, model, data, enc, named, optimizer, schedule, total, trainable, length, demonstrations)
+
+
+def build_optimizer(s: Settings, named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer | None:
+    """The method's optimizer over ``named`` (the trainable parameters); None for a method that trains nothing."""
+    if s.optimizer is None:
+        return None
+    if not named:
+        raise ConfigError(f"method {s.method!r} has an optimizer but nothing to train")
+    return OPTIMIZERS.get(s.optimizer.kind).builder(named, s.optimizer.config, s.seed)
 
 
 def run_length(s: Settings, num_train: int) -> RunLength:

@@ -38,8 +38,9 @@ NON_RESULT_KEYS = ("force", "dry_run", "verbose", "data.dir", "model.model_dir",
                    "train.checkpoint_every", "task.version", "model.device_map", "method.optimizer.query_memory")
 # ``distributed.``: how the work is divided over processes (a data-parallel sum differs from one process only by
 # rounding). ``model.placements``: fixed data of the model's YAML (the recorded placement and model name say which sites a
-# run used; older records do not hold it). ``arms.``, ``design.``, ``tuning.``: an experiment's plan for its driver
-# scripts, not a run's hyper-parameters: a plan that grows (a new arm) must not split the runs it already holds.
+# run used; older records do not hold it). ``arms.``, ``design.``, ``tuning.``: an experiment's plan for its drivers
+# (adazeta.experiment, adazeta.sweep), not a run's hyper-parameters: a plan that grows (a new arm) must not split
+# the runs it already holds.
 NON_RESULT_PREFIXES = ("wandb.", "hydra.", "distributed.", "model.placements.", "arms.", "design.", "tuning.")
 # A task's settings for the other model family: a causal run never reads its masked template, and vice versa.
 OTHER_FAMILY = {"causal": ("task.masked.", "task.masked_data."), "masked": ("task.causal.", "task.hub.", "task.local.")}
