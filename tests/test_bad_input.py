@@ -26,6 +26,8 @@ CASES = [
     (["train.max_step=5"], "did you mean 'max_steps'?"),
     (["+train.foo=1"], "train: unknown key(s) foo"),
     (["method.optimizer.lrr=1e-3"], "did you mean 'lr'?"),
+    (["adapter=lora"], "adapter is part of the method; choose it with adapter@method.adapter=lora"),
+    (["optimizer@method.optimizer=adamx"], "optimizer has no option 'adamx'; known: adamw"),
     (["seed=0,1"], "seed=0,1 lists several values: add -m"),
     (["seed=[0"], "seed=[0:"),
     # wrong types, named by their override path

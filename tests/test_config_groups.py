@@ -4,11 +4,12 @@
 resolved config that the case is about (``method`` and ``schedule`` for a method, ``model`` for a model, ...;
 the first case holds the whole default config). The config files may be reorganised (groups, defaults lists,
 shared options), but every case must compose to the same values. A change of a recorded value is a change of
-behaviour: when one is meant, or when a method, model or experiment is added, write the snapshot again with
+behaviour. A new method, model or experiment is added to the snapshot (the recorded cases stay as they are) by
 
     PYTHONPATH=src python tests/test_config_groups.py
 
-and review its diff.
+and a change of a recorded value that is meant is recorded with ``--rewrite`` (review the diff: every changed
+line is a changed setting).
 """
 
 from __future__ import annotations
@@ -81,12 +82,16 @@ def composed(overrides: list[str], keys: list[str]) -> dict:
     return cfg if not keys else {k: cfg[k] for k in keys}
 
 
-def write_snapshot() -> None:
+def write_snapshot(rewrite: bool = False) -> None:
+    """Record the cases missing from the snapshot (every case with ``rewrite``), keeping the recorded ones."""
     for var in ("ADAZETA_DATA_DIR", "ADAZETA_MODEL_DIR"):  # as under the tests: no user directories
         os.environ.pop(var, None)
-    entries = [{"overrides": ov, "config": composed(ov, keys)} for ov, keys in cases()]
+    recorded = {} if rewrite else {json.dumps(e["overrides"]): e for e in _recorded()}
+    entries = list(recorded.values())
+    added = [ov for ov, _ in cases() if json.dumps(ov) not in recorded]
+    entries += [{"overrides": ov, "config": composed(ov, keys)} for ov, keys in cases() if ov in added]
     SNAPSHOT.write_text("[\n" + ",\n".join(_compact(e, 1) for e in entries) + "\n]\n")
-    print(f"wrote {len(entries)} cases to {SNAPSHOT}")
+    print(f"{SNAPSHOT}: {len(added)} case(s) recorded, {len(entries)} in all")
 
 
 def _compact(value: object, depth: int = 0) -> str:
@@ -118,5 +123,34 @@ def test_snapshot_covers_every_method_model_and_experiment_point():
     assert not missing, f"not in {SNAPSHOT.name} (write it again, see the module docstring): {missing}"
 
 
+def test_methods_compose_their_adapter_and_optimizer_from_the_groups():
+    """Every method takes its adapter from conf/adapter/ and its optimizer (if any) from conf/optimizer/."""
+    for method in _options("method"):
+        spec = yaml.safe_load((CONF / "method" / f"{method}.yaml").read_text())
+        defaults = [d for d in spec.get("defaults", []) if isinstance(d, dict)]
+        adapter = [d["/adapter@adapter"] for d in defaults if "/adapter@adapter" in d]
+        assert adapter and adapter[0] in _options("adapter"), method
+        optimizer = [d["/optimizer@optimizer"] for d in defaults if "/optimizer@optimizer" in d]
+        if optimizer:
+            assert optimizer[0] in _options("optimizer"), method
+        else:
+            assert spec.get("optimizer", "absent") is None, f"{method}: no optimizer option and no optimizer: null"
+
+
+
+@pytest.mark.parametrize("group", ["adapter", "optimizer"])
+def test_every_adapter_and_optimizer_option_parses_into_its_registered_config(group):
+    from omegaconf import OmegaConf
+
+    from adazeta.adapters import ADAPTERS
+    from adazeta.optim import OPTIMIZERS
+
+    registry = {"adapter": ADAPTERS, "optimizer": OPTIMIZERS}[group]
+    for option in _options(group):
+        values = OmegaConf.to_container(compose_cfg([f"{group}@method.{group}={option}"]).method[group])
+        kind = values.pop("kind")
+        registry.config(kind, values)
+
+
 if __name__ == "__main__":
-    write_snapshot()
+    write_snapshot(rewrite="--rewrite" in sys.argv[1:])

@@ -63,6 +63,8 @@ def explain(error: Exception, override: str, config_dir: str, base: list[str]) -
             return f"{override}: {group} has no option {value!r}; known: {', '.join(options)}{_suggest(value, options)}"
         return f"{override}: no config group {group!r}{_suggest(group, _groups(config_dir))}"
     text = str(error)
+    if "Could not override" in text and "@" not in key and _method_part(config_dir, key):
+        return f"{override}: {key} is part of the method; choose it with {key}@method.{key}={value}"
     if "not in struct" in text or "Could not override" in text or "Could not append" in text:
         parent, _, leaf = key.rpartition(".")
         known = _keys_at(config_dir, base, parent)
@@ -71,6 +73,11 @@ def explain(error: Exception, override: str, config_dir: str, base: list[str]) -
             return (f"{override}: {where} has no key {leaf!r}; known: {', '.join(known)}{_suggest(leaf, known)}")
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
     return f"{override}: {first}"
+
+
+def _method_part(config_dir: str, group: str) -> bool:
+    """A group whose options a method places inside itself (``- /adapter@adapter: tt`` in conf/method/*.yaml)."""
+    return any(f"/{group}@{group}:" in p.read_text() for p in (Path(config_dir) / "method").glob("*.yaml"))
 
 
 def _groups(config_dir: str) -> list[str]:
