@@ -206,7 +206,7 @@ def run_length(s: Settings, num_train: int) -> RunLength:
     per_epoch = num_train / s.train.batch_size
     epochs = s.train.max_steps / per_epoch
     zo = s.optimizer is not None and isinstance(s.optimizer.config, ZOSGDConfig)
-    if budget is None or not zo or s.schedule.kind != "adaptive_official":
+    if budget is None or not zo or not getattr(s.schedule.config, "uses_run_epochs", False):
         return length(epochs)
     central = s.optimizer.config.estimator == "central"
     steps = budget_steps(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable
+from typing import Callable, ClassVar
 
 from adazeta.errors import ConfigError
 from adazeta.registry import Registry
@@ -131,6 +131,9 @@ class AdaptiveConfig:
 class AdaptiveOfficialConfig:
     """The reference code's schedule: beta derived so that alpha * E^beta = q_target at the last epoch E."""
 
+    # Its builder reads the run's length E (num_epochs): under a forward-pass budget the run derives E from the
+    # steps the budget reaches (adazeta.run.schedule_epochs). A schedule of the epoch index alone leaves it False.
+    uses_run_epochs: ClassVar[bool] = True
     alpha: float = 0.85  # scale, as in AdaptiveConfig
     q_target: float = 20  # Q the uncapped curve reaches at the last epoch; sets beta
     q_cap: int = 15  # hard cap; the reference Llama runs use 15, so the effective maximum is 15, not 20

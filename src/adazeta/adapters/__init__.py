@@ -9,6 +9,9 @@ from adazeta.registry import Registry
 
 ADAPTERS: Registry = Registry("adapter")
 
-# Importing the built-in adapters registers them.
-from adazeta.adapters import basic, lora, tt  # noqa: E402,F401
-from adazeta.adapters import bottleneck  # noqa: E402,F401
+# Importing every module of this package registers the built-in adapters: a new adapter is one new file here.
+import importlib as _importlib  # noqa: E402
+import pkgutil as _pkgutil  # noqa: E402
+
+for _module in _pkgutil.iter_modules(__path__):
+    _importlib.import_module(f"{__name__}.{_module.name}")

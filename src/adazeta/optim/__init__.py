@@ -15,6 +15,9 @@ from adazeta.registry import Registry
 
 OPTIMIZERS: Registry = Registry("optimizer")
 
-# Importing the built-in optimizers registers them.
-from adazeta.optim import first_order, zo_sgd  # noqa: E402,F401
-from adazeta.optim import sparse_mezo  # noqa: E402,F401
+# Importing every module of this package registers the built-in optimizers: a new optimizer is one new file here.
+import importlib as _importlib  # noqa: E402
+import pkgutil as _pkgutil  # noqa: E402
+
+for _module in _pkgutil.iter_modules(__path__):
+    _importlib.import_module(f"{__name__}.{_module.name}")
