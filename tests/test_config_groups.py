@@ -123,19 +123,29 @@ def test_snapshot_covers_every_method_model_and_experiment_point():
     assert not missing, f"not in {SNAPSHOT.name} (write it again, see the module docstring): {missing}"
 
 
-def test_methods_compose_their_adapter_and_optimizer_from_the_groups():
-    """Every method takes its adapter from conf/adapter/ and its optimizer (if any) from conf/optimizer/."""
-    for method in _options("method"):
-        spec = yaml.safe_load((CONF / "method" / f"{method}.yaml").read_text())
-        defaults = [d for d in spec.get("defaults", []) if isinstance(d, dict)]
-        adapter = [d["/adapter@adapter"] for d in defaults if "/adapter@adapter" in d]
-        assert adapter and adapter[0] in _options("adapter"), method
-        optimizer = [d["/optimizer@optimizer"] for d in defaults if "/optimizer@optimizer" in d]
-        if optimizer:
-            assert optimizer[0] in _options("optimizer"), method
-        else:
-            assert spec.get("optimizer", "absent") is None, f"{method}: no optimizer option and no optimizer: null"
+def _method_parts(method: str) -> dict:
+    """The adapter and optimizer options a method file names, following the methods it extends (``- mezo_lora``)."""
+    spec = yaml.safe_load((CONF / "method" / f"{method}.yaml").read_text())
+    parts: dict = {}
+    for entry in spec.get("defaults", []):
+        if isinstance(entry, str) and entry in _options("method"):
+            parts.update(_method_parts(entry))
+        elif isinstance(entry, dict):
+            for part in ("adapter", "optimizer"):
+                if f"/{part}@{part}" in entry:
+                    parts[part] = entry[f"/{part}@{part}"]
+    if "optimizer" in spec and spec["optimizer"] is None:  # training-free
+        parts["optimizer"] = None
+    return parts
 
+
+def test_methods_compose_their_adapter_and_optimizer_from_the_groups():
+    """Every method takes its adapter from conf/adapter/ and its optimizer from conf/optimizer/ (or has none)."""
+    for method in _options("method"):
+        parts = _method_parts(method)
+        assert parts.get("adapter") in _options("adapter"), method
+        assert "optimizer" in parts, f"{method}: name an optimizer option, or set optimizer: null"
+        assert parts["optimizer"] is None or parts["optimizer"] in _options("optimizer"), method
 
 
 @pytest.mark.parametrize("group", ["adapter", "optimizer"])
