@@ -27,7 +27,7 @@ MODEL_DIR_ENV = "ADAZETA_MODEL_DIR"
 
 @dataclass
 class ModelConfig:
-    """Which model to load and how. See ``conf/model/*.yaml``."""
+    """Which model to load and how. See ``conf/model_defaults.yaml`` and ``conf/model/*.yaml``."""
 
     name: str
     # causal (decoder, MeZO protocol) or masked (RoBERTa-style, LM-BFF protocol); None: read from the model's config
