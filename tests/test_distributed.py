@@ -132,6 +132,9 @@ def test_torchrun_adazeta_run_writes_one_record_from_rank_zero(fixture_data, tmp
     # Run again: rank 0 finds the finished run and both processes skip it.
     again = launch(2, *overrides, f"hydra.run.dir={tmp_path / 'two'}", module=True)
     assert again.returncode == 0 and "skipping" in again.stdout + again.stderr
+    # Other settings on the same directory: rank 0 refuses before any work, and the other rank stops with it.
+    other = launch(2, *overrides, "seed=1", f"hydra.run.dir={tmp_path / 'two'}", module=True, timeout=120)
+    assert other.returncode != 0 and "holds a finished run with other settings (seed: 0 -> 1)" in other.stderr
 
 
 def test_a_failure_on_another_rank_ends_the_run_with_one_record_naming_it(fixture_data, tmp_path):

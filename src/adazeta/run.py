@@ -260,7 +260,14 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> d
 
 def _run_claimed(s: Settings, run_dir: Path, overrides: list[str] | None, d: Dist) -> dict[str, Any]:
     """Claim ``run_dir``, skip or resume what it holds, and run (rank 0 of several tells the others which)."""
-    tell = distributed.broadcast if d.enabled else (lambda value: value)
+    decided = False
+
+    def decide(kind: str, payload: Any) -> Any:
+        """Tell the other ranks (several processes) what rank 0 decided: skip, run, or stop with an error."""
+        nonlocal decided
+        decided = True
+        return distributed.broadcast((kind, payload))[1] if d.enabled else payload
+
     try:
         with claim(run_dir):
             checkpoint = run_dir / CHECKPOINT
@@ -279,15 +286,14 @@ def _run_claimed(s: Settings, run_dir: Path, overrides: list[str] | None, d: Dis
                     )
                 if status in ("finished", "diverged"):
                     log.info("skipping: %s already holds a %s result (force=true reruns it)", run_dir, status)
-                    return tell(("skip", read_result(run_dir / "result.json")))[1]
+                    return decide("skip", read_result(run_dir / "result.json"))
             write_provenance(run_dir, s.raw, overrides)
             resume = load_checkpoint(checkpoint) if checkpoint.is_file() else None
-            tell(("run", resume is not None))
+            decide("run", resume is not None)
             return execute(s, run_dir, resume, d)
-    except ConfigError as err:
-        if d.enabled and not getattr(err, "told", False):
-            err.told = True
-            tell(("error", str(err)))
+    except BaseException as err:
+        if d.enabled and not decided:  # the other ranks wait for a decision: they stop too
+            distributed.broadcast(("error", str(err) if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"))
         raise
 
 
