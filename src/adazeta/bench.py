@@ -56,6 +56,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from adazeta.bench_memory import _reset_rss_peak, _status_kib
 from adazeta.evaluate import evaluate
 from adazeta.models import LoadedModel, ModelSource, architecture_config, load_model, resolve_device
 from adazeta.offline import use_shared
@@ -469,22 +470,8 @@ def measure_scaling(args: argparse.Namespace, report: Report, setup: Setup) -> N
 
 
 def _status_mb(field: str) -> float | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_rss_peak() -> bool:
-    """Reset the resident-memory high-water mark to the current RSS (Linux >= 4.0)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
+    kib = _status_kib(field)
+    return None if kib is None else kib / 1024
 
 
 def memory_phase(args: argparse.Namespace) -> dict[str, Any]:
