@@ -36,6 +36,38 @@ def test_log_lines_are_spaced_in_time(monkeypatch, caplog):
     assert [r.getMessage().split()[1] for r in caplog.records] == ["100/100"]  # only the last step's line
 
 
+def test_a_forward_budget_sets_the_eta_and_the_last_line(monkeypatch, caplog):
+    # A budget of 100 forward passes with a step limit nobody reaches: the ETA follows the forwards (half spent
+    # after half the time: as much time again), not the 100,000 steps; the line at the budget is printed.
+    monkeypatch.setattr(tracking, "show_progress", lambda: False)
+    clock = iter([0.0, 10.0, 10.0, 20.0, 20.0, 20.0])
+    monkeypatch.setattr(tracking.time, "monotonic", lambda: next(clock))
+    progress = Progress(total=100_000, every_s=3600.0, budget=100)
+    assert progress.eta(25, 50) == 10.0
+    with caplog.at_level(logging.INFO, logger="adazeta"):
+        progress.step(25, 0.5, 2, 50)     # not due: no line
+        progress.step(50, 0.4, 2, 100)    # the budget is spent: its line is printed
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["step 50  loss 0.4000  Q 2  fwd 100/100  eta 0m00s"]
+
+
+def test_the_step_limit_wins_when_it_comes_first(monkeypatch):
+    monkeypatch.setattr(tracking, "show_progress", lambda: False)
+    clock = iter([0.0, 10.0])
+    monkeypatch.setattr(tracking.time, "monotonic", lambda: next(clock))
+    progress = Progress(total=20, budget=1000)
+    assert progress.eta(10, 20) == 10.0  # 10 steps of 20 in 10 s; the budget would take 490 s more
+
+
+def test_a_budgeted_bar_counts_forward_passes(monkeypatch):
+    monkeypatch.setattr(tracking, "show_progress", lambda: True)
+    progress = Progress(total=100_000, initial=3, budget=64, initial_forwards=12)
+    progress.step(4, 0.4, 4, 20)
+    assert progress.bar.total == 64 and progress.bar.n == 20
+    assert "fwd=20/64" in progress.bar.postfix.replace(" ", "")
+    progress.close()
+
+
 def test_a_terminal_gets_a_bar_with_the_same_fields(monkeypatch):
     monkeypatch.setattr(tracking, "show_progress", lambda: True)
     progress = Progress(total=3, initial=1, every_s=0.0)

@@ -192,21 +192,38 @@ class Progress:
     a log file or a sweep's output shows the run moving without a bar's carriage returns.
     """
 
-    def __init__(self, total: int, initial: int = 0, every_s: float = 30.0, desc: str = "train"):
+    def __init__(self, total: int, initial: int = 0, every_s: float = 30.0, desc: str = "train",
+                 budget: int | None = None, initial_forwards: int = 0):
         from tqdm.auto import tqdm
 
+        # ``total``: the step limit; ``budget``: the forward-pass budget, when one ends the run (the bar and the ETA
+        # then follow forward passes: a run whose Q grows spends them faster than it takes steps).
         self.total, self.initial, self.every_s = total, initial, every_s
-        self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True) if show_progress() else None
+        self.budget, self.initial_forwards, self.forwards = budget, initial_forwards, initial_forwards
+        bar_total, bar_initial = (budget, initial_forwards) if budget is not None else (total, initial)
+        self.bar = (tqdm(total=bar_total, initial=bar_initial, desc=desc, dynamic_ncols=True,
+                         unit="fwd" if budget is not None else "it")
+                    if show_progress() else None)
         self.dev: tuple[int, float] | None = None
         self.started = self.last_line = time.monotonic()
 
     def evaluated(self, step: int, accuracy: float) -> None:
         self.dev = (step, accuracy)
 
+    def eta(self, step: int, forward_passes: int) -> float:
+        """Seconds left at the rate so far: to the step limit, or to the forward budget if that comes first."""
+        elapsed = time.monotonic() - self.started
+        etas = []
+        if step > self.initial:
+            etas.append(elapsed / (step - self.initial) * max(0, self.total - step))
+        if self.budget is not None and forward_passes > self.initial_forwards:
+            etas.append(elapsed / (forward_passes - self.initial_forwards) * max(0, self.budget - forward_passes))
+        return min(etas) if etas else float("nan")
+
     def fields(self, step: int, loss: float, n_queries: int, forward_passes: int) -> dict[str, str]:
-        done = step - self.initial
-        eta = (time.monotonic() - self.started) / done * (self.total - step) if done > 0 else float("nan")
-        out = {"loss": f"{loss:.4f}", "Q": str(n_queries), "fwd": str(forward_passes)}
+        eta = self.eta(step, forward_passes)
+        fwd = str(forward_passes) if self.budget is None else f"{forward_passes}/{self.budget}"
+        out = {"loss": f"{loss:.4f}", "Q": str(n_queries), "fwd": fwd}
         if self.dev is not None:
             out["dev_acc"] = f"{self.dev[1]:.3f}@{self.dev[0]}"
         out["eta"] = _duration(eta) if eta == eta else "?"
@@ -215,13 +232,17 @@ class Progress:
     def step(self, step: int, loss: float, n_queries: int, forward_passes: int) -> None:
         values = self.fields(step, loss, n_queries, forward_passes)
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.update(forward_passes - self.forwards if self.budget is not None else 1)
+            self.forwards = forward_passes
             self.bar.set_postfix({k: v for k, v in values.items() if k != "eta"}, refresh=False)
             return
+        self.forwards = forward_passes
         now = time.monotonic()
-        if now - self.last_line >= self.every_s or step == self.total:
+        last = step == self.total or (self.budget is not None and forward_passes >= self.budget)
+        if now - self.last_line >= self.every_s or last:
             self.last_line = now
-            log.info("step %d/%d  %s", step, self.total, "  ".join(f"{k} {v}" for k, v in values.items()))
+            where = f"step {step}/{self.total}" if self.budget is None else f"step {step}"
+            log.info("%s  %s", where, "  ".join(f"{k} {v}" for k, v in values.items()))
 
     def close(self) -> None:
         if self.bar is not None:

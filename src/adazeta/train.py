@@ -234,7 +234,7 @@ def train(
         if spread is not None and not zeroth_order:  # gradients averaged over the ranks' shards
             ddp = DistributedDataParallel(LossModule(model), device_ids=[device.index] if device.type == "cuda" else None,
                                           broadcast_buffers=False)
-        progress = Progress(max_steps, initial=first_step - 1)
+        progress = Progress(max_steps, initial=first_step - 1, budget=budget, initial_forwards=forward_passes)
         if resume is not None:
             progress.evaluated(best_step, best.accuracy)
         for step in range(first_step, max_steps + 1):
