@@ -27,9 +27,11 @@ from adazeta.errors import ConfigError
 from adazeta.icl import DemonstrationConfig, demonstration_text, fits_in, prepend_demonstrations, sample_demonstrations
 from adazeta.models import byte_tokenizer, count_parameters, load_model
 from adazeta.optim import OPTIMIZERS
-from adazeta.optim.sparse_mezo import SparseZOSGD, SparseZOSGDConfig, magnitude_mask
+from adazeta.optim.sparse_mezo import (SparseZOSGD, SparseZOSGDConfig, kth_smallest_abs, magnitude_mask,
+                                       packed_magnitude_mask)
 from adazeta.optim.batched import replica_weights
-from adazeta.optim.spsa import RandomMask, directions, perturb_
+from adazeta.optim.spsa import PackedMask, RandomMask, directions, perturb_
+from adazeta.optim.zo_sgd import ZOSGD
 from adazeta.probe import ProbeConfig, fit_probe, prompt_features
 from adazeta.run import parse, run, seed_everything
 from adazeta.scoring import batch_loss, collate, encode
@@ -473,3 +475,76 @@ def test_memory_benchmark_worker_runs_each_kind_of_step(data_dir):
     trainable = {m: r["trainable_params"] for m, r in rows.items()}
     assert trainable["inference"] == 0 and trainable["ft"] > trainable["adazeta"] > 0
     assert all(r["peak_mem_mb"] > 0 and r["device"] == "cpu" for r in rows.values())
+
+
+# --- Sparse-MeZO's mask storage: bits, and thresholds without full-size temporaries ------------------------
+
+
+@pytest.mark.parametrize("shape", [(7,), (8,), (3, 5), (1000, 37), (2**20 + 13,)])
+def test_packed_masks_unpack_to_the_same_entries_from_any_start(shape):
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand(shape, generator=g) < 0.3
+    packed = PackedMask.pack(mask)
+    assert packed.bits.numel() == (mask.numel() + 7) // 8 and packed.bits.dtype == torch.uint8
+    assert torch.equal(packed.dense(), mask)
+    flat = mask.reshape(-1)
+    for start, n in [(0, 1), (3, 11), (flat.numel() - 5, 5), (flat.numel() // 2 + 1, flat.numel() // 3)]:
+        if 0 <= start and start + n <= flat.numel():
+            assert torch.equal(packed.unpack(start, n), flat[start : start + n])
+
+
+@pytest.mark.parametrize("numel", [10, 4096, 2**20 * 3 + 7])
+def test_kth_smallest_abs_is_kthvalue(numel):
+    g = torch.Generator().manual_seed(numel)
+    p = torch.randn(numel, generator=g) * 0.02
+    p[: numel // 10] = 0.0  # ties, and +0 / -0 alike
+    p[numel // 10 : numel // 5] = -0.0
+    for density in (0.05, 0.25, 0.5, 1.0 - 1.0 / numel):
+        k = max(1, int(np.ceil(density * numel)))
+        assert torch.equal(kth_smallest_abs(p, k), p.abs().float().kthvalue(k).values)
+    half = p.to(torch.bfloat16)
+    assert torch.equal(kth_smallest_abs(half, numel // 3), half.abs().float().kthvalue(numel // 3).values)
+
+
+def test_packed_magnitude_mask_is_the_bool_mask_bit_for_bit():
+    g = torch.Generator().manual_seed(2)
+    p = torch.randn(2**20 + 100, generator=g)
+    for density in (0.25, 1.0):
+        assert torch.equal(packed_magnitude_mask(p, density).dense(), magnitude_mask(p, density))
+
+
+def test_sparse_steps_with_packed_masks_equal_steps_with_bool_masks():
+    """The packed mask moves exactly what the bool mask it replaced moved (the per-parameter reference)."""
+    g = torch.Generator().manual_seed(3)
+    start = [torch.randn(40, 30, generator=g), torch.randn(2**20 + 9, generator=g)]
+    packed = [torch.nn.Parameter(w.clone()) for w in start]
+    opt = SparseZOSGD(packed, sparsity=0.75, lr=1e-2, seed=4)
+    assert all(isinstance(m, PackedMask) for m in opt.masks(packed))
+    dense = [torch.nn.Parameter(w.clone()) for w in start]
+    bool_masks = [magnitude_mask(w, 0.25) for w in start]
+    ref = ZOSGD(dense, lr=1e-2, seed=4)
+    ref.masks = lambda params: bool_masks  # the same optimizer with the masks as bools
+    for _ in range(2):
+        opt.step(lambda: sum((p**2).sum() for p in packed), n_queries=2)
+        ref.step(lambda: sum((p**2).sum() for p in dense), n_queries=2)
+    assert all(torch.equal(a, b) for a, b in zip(packed, dense))
+    assert not torch.equal(packed[1], start[1])
+
+
+def test_a_checkpoint_with_bool_masks_still_loads():
+    w = torch.nn.Parameter(torch.randn(30, 30))
+    opt = SparseZOSGD([w], sparsity=0.5, lr=1.0, seed=0)
+    state = copy.deepcopy(opt.state_dict())
+    assert state["sparse_masks"][0].dtype == torch.uint8 and state["sparse_masks"][0].numel() == 113
+    old = dict(state, sparse_masks=[magnitude_mask(w, 0.5)])  # as earlier releases saved it
+    resumed = SparseZOSGD([torch.nn.Parameter(w.detach().clone())], sparsity=0.5, lr=1.0, seed=0)
+    resumed.load_state_dict(old)
+    assert torch.equal(resumed.param_masks()[0][1], opt.param_masks()[0][1])
+
+
+def test_random_masks_drawn_in_slices_equal_one_draw():
+    """The CPU generator's stream does not depend on how a draw is cut: the sliced mask equals torch.rand's."""
+    p = torch.empty(3 * 2**20 + 5)
+    sliced = next(RandomMask(9, 0.25).for_params([p]))
+    gen = torch.Generator().manual_seed(9)
+    assert torch.equal(sliced, torch.rand(p.shape, generator=gen) < 0.25)

@@ -1,6 +1,6 @@
 """Peak memory of one training step per method, on the same model and the same batch.
 
-    python -m adazeta.bench_memory                       # SmolLM2-135M, 16 SST-2 prompts, six methods
+    python -m adazeta.bench_memory                       # SmolLM2-135M, 16 SST-2 prompts, eight methods
     python -m adazeta.bench_memory --methods inference adazeta --steps 3 --set model.dtype=bf16
 
 Each method runs in a fresh subprocess, because a process's peak resident memory can only grow: a shared
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from adazeta.offline import use_shared
 
-METHODS = ["inference", "ft", "lora", "mezo", "mezo_lora", "adazeta"]
+METHODS = ["inference", "ft", "lora", "mezo", "sparse_mezo", "mezo_lora", "mezo_adapter", "adazeta"]
 COLUMNS = [
     "method", "trainable_params", "peak_mem_mb", "ratio", "process_peak_mem_mb", "process_ratio", "step_s", "device",
     "measure",

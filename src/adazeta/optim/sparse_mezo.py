@@ -20,26 +20,67 @@ import torch
 
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
-from adazeta.optim.spsa import Masks, RandomMask, decay_groups, mask_seed
+from adazeta.optim.spsa import MASK_SLICE, Masks, PackedMask, RandomMask, decay_groups, mask_seed
 from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 
 MASK_KINDS = ("magnitude", "random")
 
 
 @torch.no_grad()
+def kth_smallest_abs(p: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th smallest |w| of ``p`` (1-based) in fp32: ``p.abs().float().flatten().kthvalue(k)``'s value.
+
+    kthvalue copies the whole tensor (and more): for a 28 M-entry embedding that peak was ~3x its fp32 size.
+    Here a radix select reads ``p`` a slice at a time: non-negative floats order like their bit patterns, so one
+    pass counts entries per top-16-bit bucket, and the k-th value is the kthvalue of its bucket's few entries.
+    """
+    flat = p.detach().reshape(-1)
+    if not 1 <= k <= flat.numel():
+        raise ValueError(f"k={k} is outside 1..{flat.numel()}")
+
+    def buckets(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values = part.abs().float()
+        return values, values.view(torch.int32) >> 15  # sign bit clear: buckets 0 .. 65535
+
+    counts = torch.zeros(1 << 16, dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), MASK_SLICE):
+        counts += torch.bincount(buckets(flat[start : start + MASK_SLICE])[1], minlength=1 << 16)
+    cumulative = counts.cumsum(0)
+    bucket = int(torch.searchsorted(cumulative, torch.tensor(k, device=flat.device)))
+    below = int(cumulative[bucket - 1]) if bucket else 0
+    members = []
+    for start in range(0, flat.numel(), MASK_SLICE):
+        values, ids = buckets(flat[start : start + MASK_SLICE])
+        members.append(values[ids == bucket])
+    return torch.cat(members).kthvalue(k - below).values
+
+
+@torch.no_grad()
 def magnitude_mask(p: torch.Tensor, density: float) -> torch.Tensor:
     """Boolean mask of the ``ceil(density * numel)`` smallest |w| of ``p`` (ties at the threshold included)."""
-    flat = p.detach().abs().reshape(-1).float()
-    k = max(1, int(np.ceil(density * flat.numel())))
-    if k >= flat.numel():
+    k = max(1, int(np.ceil(density * p.numel())))
+    if k >= p.numel():
         return torch.ones_like(p, dtype=torch.bool)
-    threshold = flat.kthvalue(k).values
-    return p.detach().abs().float() <= threshold
+    return p.detach().abs().float() <= kth_smallest_abs(p, k)
 
 
-def sparse_masks(params: Sequence[torch.Tensor], sparsity: float) -> list[torch.Tensor]:
+@torch.no_grad()
+def packed_magnitude_mask(p: torch.Tensor, density: float) -> PackedMask:
+    """``magnitude_mask`` packed as bits, computed a slice at a time (no full-size temporary)."""
+    k = max(1, int(np.ceil(density * p.numel())))
+    if k >= p.numel():
+        return PackedMask.pack(torch.ones(p.shape, dtype=torch.bool, device=p.device))
+    threshold = kth_smallest_abs(p, k)
+    flat = p.detach().reshape(-1)
+    bits = []
+    for start in range(0, flat.numel(), MASK_SLICE):  # a multiple of 8 entries: slices pack into whole bytes
+        bits.append(PackedMask.pack(flat[start : start + MASK_SLICE].abs().float() <= threshold).bits)
+    return PackedMask(torch.cat(bits), p.shape)
+
+
+def sparse_masks(params: Sequence[torch.Tensor], sparsity: float) -> list[PackedMask]:
     """The magnitude mask of every parameter: the ``1 - sparsity`` fraction of its entries that ZO-SGD may move."""
-    return [magnitude_mask(p, 1.0 - sparsity) for p in params]
+    return [packed_magnitude_mask(p, 1.0 - sparsity) for p in params]
 
 
 class SparseZOSGD(ZOSGD):
@@ -74,15 +115,15 @@ class SparseZOSGD(ZOSGD):
         """(parameter, mask) pairs of the coming step, in the optimizer's order (random masks are materialised)."""
         masks = self.masks(self._params)
         if isinstance(masks, RandomMask):
-            masks = list(masks.for_params(self._params))
-        return list(zip(self._params, masks))
+            return list(zip(self._params, masks.for_params(self._params)))
+        return [(p, m.dense()) for p, m in zip(self._params, masks)]
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self._masks is not None:
             # The magnitude mask depends on the *starting* weights: resuming must reuse it, not recompute it.
             # (A random mask needs nothing: it follows from the seed and the step count the base class saves.)
-            state["sparse_masks"] = [m.cpu() for m in self._masks]
+            state["sparse_masks"] = [m.to("cpu").bits for m in self._masks]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -90,7 +131,9 @@ class SparseZOSGD(ZOSGD):
         masks = state_dict.pop("sparse_masks", None)
         super().load_state_dict(state_dict)
         if masks is not None and self._masks is not None:
-            self._masks = [m.to(p.device) for m, p in zip(masks, self._params)]
+            # bits (uint8), or the one bool per entry that checkpoints of earlier releases hold
+            self._masks = [(PackedMask.pack(m) if m.dtype == torch.bool else PackedMask(m, p.shape)).to(p.device)
+                           for m, p in zip(masks, self._params)]
 
 
 @dataclasses.dataclass

@@ -76,11 +76,82 @@ class RandomMask:
     def for_params(self, params: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
         streams = _Streams(self.seed)
         for p in params:
-            yield torch.rand(p.shape, generator=streams.on(p.device), device=p.device) < self.density
+            yield _uniform_below(p, self.density, streams.on(p.device))
 
 
-# Which entries each parameter may move: None (all), one tensor (or None) per parameter, or a RandomMask.
-Masks = Sequence[torch.Tensor | None] | RandomMask | None
+MASK_SLICE = 1 << 18  # entries per temporary when a mask is drawn, packed or applied piecewise (1 MiB in fp32)
+
+
+def _uniform_below(p: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
+    """``torch.rand(p.shape, generator=gen) < density`` as a bool tensor, without the full fp32 draw on CPU.
+
+    The CPU generator fills a tensor entry by entry, so drawing it in slices gives the same numbers as one call
+    (``tests/test_methods.py`` checks this); CUDA's offsets depend on the call's size, so there it is one call.
+    """
+    if p.device.type != "cpu" or p.numel() <= MASK_SLICE:
+        return torch.rand(p.shape, generator=gen, device=p.device) < density
+    out = torch.empty(p.numel(), dtype=torch.bool, device=p.device)
+    for start in range(0, p.numel(), MASK_SLICE):
+        n = min(MASK_SLICE, p.numel() - start)
+        torch.lt(torch.rand(n, generator=gen, device=p.device), density, out=out[start : start + n])
+    return out.view(p.shape)
+
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+class PackedMask:
+    """A boolean mask kept as bits, eight entries a byte (1/32 of the fp32 weights it masks, not 1/4).
+
+    Sparse-MeZO's magnitude mask covers every weight for the whole run; stored as bools it alone was 13.6 % of
+    SmolLM2's inference memory. Entries are unpacked a slice at a time where a pass applies them.
+    """
+
+    def __init__(self, bits: torch.Tensor, shape: Sequence[int] | torch.Size):
+        self.bits, self.shape = bits, torch.Size(shape)
+        self.numel = self.shape.numel()
+        if bits.dtype != torch.uint8 or bits.numel() != (self.numel + 7) // 8:
+            raise ValueError(f"PackedMask of {self.numel} entries needs {(self.numel + 7) // 8} uint8 bytes, "
+                             f"got {bits.numel()} {bits.dtype}")
+
+    @classmethod
+    def pack(cls, mask: torch.Tensor) -> "PackedMask":
+        flat = mask.reshape(-1)
+        bits = torch.empty((flat.numel() + 7) // 8, dtype=torch.uint8, device=mask.device)
+        shifts = _BIT_SHIFTS.to(mask.device)
+        for start in range(0, flat.numel(), MASK_SLICE):  # MASK_SLICE is a multiple of 8: slices fill whole bytes
+            piece = flat[start : start + MASK_SLICE].to(torch.uint8)
+            pad = -piece.numel() % 8
+            if pad:
+                piece = torch.cat([piece, piece.new_zeros(pad)])
+            bits[start // 8 : start // 8 + piece.numel() // 8] = (piece.view(-1, 8) << shifts).sum(1, dtype=torch.uint8)
+        return cls(bits, mask.shape)
+
+    def unpack(self, start: int = 0, n: int | None = None) -> torch.Tensor:
+        """Entries ``start .. start + n`` of the flattened mask, as a bool tensor."""
+        n = self.numel - start if n is None else n
+        first, skip = divmod(start, 8)
+        raw = self.bits[first : (start + n + 7) // 8]
+        bits = raw.unsqueeze(1) >> _BIT_SHIFTS.to(raw.device)  # the one temporary: a byte per entry
+        return bits.bitwise_and_(1).view(torch.bool).reshape(-1)[skip : skip + n]  # 0 / 1 bytes are bools
+
+    def dense(self) -> torch.Tensor:
+        return self.unpack().view(self.shape)
+
+    def to(self, device: torch.device | str) -> "PackedMask":
+        return PackedMask(self.bits.to(device), self.shape)
+
+    @torch.no_grad()
+    def mul_into_(self, z: torch.Tensor, start: int) -> None:
+        """z *= the mask's entries ``start .. start + z.numel()`` (z flat), a slice at a time."""
+        for a in range(0, z.numel(), MASK_SLICE):
+            part = z[a : a + MASK_SLICE]
+            torch._foreach_mul_([part], [self.unpack(start + a, part.numel())])
+
+
+# Which entries each parameter may move: None (all), one mask (a bool tensor, a PackedMask, or None) per
+# parameter, or a RandomMask.
+Masks = Sequence[torch.Tensor | PackedMask | None] | RandomMask | None
 
 # How z is drawn from a seed (``method.optimizer.noise``). A run's directions depend on it, so it is versioned:
 #   per_tensor: one generator call per parameter, in the parameters' order: the stream of every earlier release
@@ -202,7 +273,7 @@ class _MaskPieces:
     def any(self) -> bool:
         return self._random is not None or (self._stored is not None and any(m is not None for m in self._stored))
 
-    def of(self, i: int, start: int, n: int) -> torch.Tensor | None:
+    def _of(self, i: int, start: int, n: int) -> torch.Tensor | PackedMask | None:
         if self._random is not None:
             while len(self._drawn) <= i:  # RandomMask draws in the parameters' order
                 self._drawn.append(next(self._random))
@@ -212,9 +283,21 @@ class _MaskPieces:
                 self._drawn[i] = None  # the parameter's last piece: free its mask
         else:
             mask = self._stored[i] if self._stored is not None else None
-            if mask is None:
-                return None
+            if mask is None or isinstance(mask, PackedMask):
+                return mask
         return mask.reshape(-1)[start : start + n]
+
+    def apply_(self, zs: Sequence[torch.Tensor], index: Sequence[int], cut: Sequence[tuple[int, int]]) -> None:
+        """z *= its piece's mask entries, for every piece (one foreach op for the unpacked ones)."""
+        dense: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for z, i, (start, n) in zip(zs, index, cut):
+            mask = self._of(i, start, n)
+            if isinstance(mask, PackedMask):
+                mask.mul_into_(z, start)
+            elif mask is not None:
+                dense.append((z, mask))
+        if dense:
+            torch._foreach_mul_([z for z, _ in dense], [m for _, m in dense])
 
 
 def _draw_chunk(
@@ -236,9 +319,7 @@ def _draw_chunk(
             cut.append((start, n))
     if masks.any:
         # Drawn in full whatever the mask, so that z is the same under any mask and the stream stays aligned.
-        masked = [(z, m) for z, i, (start, n) in zip(zs, index, cut) if (m := masks.of(i, start, n)) is not None]
-        if masked:
-            torch._foreach_mul_([z for z, _ in masked], [m for _, m in masked])
+        masks.apply_(zs, index, cut)
     return index, views, zs
 
 
