@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -17,10 +18,9 @@ import torch
 from adazeta import distributed
 from adazeta.distributed import Spread
 from adazeta.run import build, compose_settings, seed_everything
-from adazeta.scoring import batches
 from adazeta.tasks.objectives import build_objective
 from adazeta.tracking import DivergenceMonitor, SilentTracker
-from adazeta.train import train, trainable_state
+from adazeta.train import Loop, Splits, train, trainable_state
 
 
 def train_and_save(out: Path, overrides: list[str]) -> None:
@@ -40,16 +40,14 @@ def train_and_save(out: Path, overrides: list[str]) -> None:
 
     b.optimizer.step = recording_step
 
-    def collated(split):
-        return [x.to(b.device) for x in batches(b.enc[split], s.train.eval_batch_size, b.family, tok, sort=True)]
-
-    outcome = train(
-        b.model, b.family, b.optimizer, b.schedule, b.enc["train"], collated("dev"), collated("eval"), s.train,
-        SilentTracker(), DivergenceMonitor(s.divergence), b.device, tok.pad_token_id,
-        getattr(tok, "mask_token_id", None), s.seed,
-        objective=build_objective(s.task, b.data, b.enc, tok, s.model.max_length, s.train.eval_batch_size),
-        spread=Spread(d.rank, d.world_size, s.distributed.mode) if d.enabled else None,
-    )
+    objective = build_objective(s.task, b.data, b.enc, tok, s.model.max_length, s.train.eval_batch_size)
+    scorer = dataclasses.replace(b.scorer, objective=objective)
+    size = s.train.eval_batch_size
+    splits = Splits(b.enc["train"], scorer.batches(b.enc["dev"], size, sort=True),
+                    scorer.batches(b.enc["eval"], size, sort=True))
+    spread = Spread(d.rank, d.world_size, s.distributed.mode) if d.enabled else None
+    loop = Loop(SilentTracker(), DivergenceMonitor(s.divergence), s.seed, b.schedule, spread=spread)
+    outcome = train(scorer, b.optimizer, splits, s.train, loop)
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"trainable": trainable_state(b.model), "evaluated": evaluated, "steps": outcome.steps,
                 "forward_passes": outcome.forward_passes}, out / f"rank{d.rank}.pt")

@@ -34,7 +34,7 @@ from adazeta.optim.spsa import PackedMask, RandomMask, directions, perturb_
 from adazeta.optim.zo_sgd import ZOSGD
 from adazeta.probe import ProbeConfig, fit_probe, prompt_features
 from adazeta.run import parse, run, seed_everything
-from adazeta.scoring import batch_loss, collate, encode
+from adazeta.scoring import Scorer, batch_loss, collate, encode
 from adazeta.tasks.loaders import load_task
 from adazeta.tasks.spec import Example
 from adazeta.train import first_order_step
@@ -120,7 +120,7 @@ def test_training_lowers_the_loss_and_leaves_frozen_weights_bitwise_unchanged(me
             optimizer.n_queries = 2
             optimizer.step(lambda: batch_loss(model, batch, "causal"))
         else:
-            first_order_step(model, optimizer, items, 1, "causal", tok.pad_token_id, None, torch.device("cpu"))
+            first_order_step(Scorer.of(model, tok), optimizer, items)
     with torch.no_grad():
         loss_after = float(batch_loss(model.eval(), batch, "causal"))
     assert loss_after < loss_before - 0.02, (loss_before, loss_after)
@@ -287,7 +287,7 @@ def test_gradient_accumulation_equals_one_big_batch(grad_accum, data_dir):
     for m, accum in ((model, 1), (other, grad_accum)):
         opt = OPTIMIZERS.get("adamw").builder([(n, p) for n, p in m.named_parameters() if p.requires_grad],
                                              s.optimizer.config, 0)
-        loss = first_order_step(m, opt, items, accum, "causal", tok.pad_token_id, None, torch.device("cpu"))
+        loss = first_order_step(Scorer.of(m, tok), opt, items, accum)
         grads[accum] = (float(loss), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
     (loss_one, g_one), (loss_acc, g_acc) = grads[1], grads[grad_accum]
     assert loss_acc == pytest.approx(loss_one, rel=1e-5)
@@ -364,8 +364,9 @@ def test_probe_features_are_the_last_prompt_token_whatever_the_padding(data_dir)
     s, model, tok, _ = build(data_dir, "lp")
     data = load_task(s.task, s.data, "causal", 0)
     items = encode(data.train[:5], tok, "causal", 256)
-    batched = prompt_features(model, items, "causal", 5, torch.device("cpu"), tok.pad_token_id, None)
-    alone = prompt_features(model, items[2:3], "causal", 1, torch.device("cpu"), tok.pad_token_id, None)
+    scorer = Scorer.of(model, tok)
+    batched = prompt_features(scorer, items, 5)
+    alone = prompt_features(scorer, items[2:3], 1)
     assert batched.shape == (5, 32)
     assert np.allclose(batched[2], alone[0], atol=1e-5)
     with torch.no_grad():

@@ -17,7 +17,7 @@ from adazeta.models import ModelConfig, load_model
 from adazeta.optim import spsa
 from adazeta.optim.batched import ReplicaClosure
 from adazeta.optim.sparse_mezo import SparseZOSGD
-from adazeta.optim.spsa import FLAT_BLOCK, PackedMask, RandomMask, directions, perturb_, projected_gradient, zo_update_
+from adazeta.optim.spsa import PackedMask, RandomMask, directions, perturb_, projected_gradient, zo_update_
 from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 from adazeta.scoring import collate, encode, replica_losses
 from adazeta.tasks.spec import Example

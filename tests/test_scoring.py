@@ -11,6 +11,7 @@ from adazeta.evaluate import evaluate
 from adazeta.models import byte_tokenizer
 from adazeta.scoring import (
     LAYOUTS,
+    Scorer,
     PACKED_MODEL_TYPES,
     batch_loss,
     candidate_scores,
@@ -226,7 +227,7 @@ def test_evaluation_loss_and_accuracy_equal_the_plain_computation():
     enc = encode(examples, tok, "causal", 256)
     for layout in LAYOUTS:
         batches = [collate(enc[i : i + 4], "causal", tok.pad_token_id, layout=layout) for i in range(0, len(enc), 4)]
-        result = evaluate(loaded.model, batches, "causal")
+        result = evaluate(Scorer.of(loaded.model, tok), batches)
         assert result.loss == pytest.approx(F.cross_entropy(ref, gold).item(), abs=1e-5)
         assert result.accuracy == (ref.argmax(1) == gold).float().mean().item()
         assert result.n == len(examples)

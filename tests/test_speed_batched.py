@@ -14,7 +14,6 @@ from torch import nn
 from adazeta.adapters import ADAPTERS
 from adazeta.errors import ConfigError
 from adazeta.models import ModelConfig, load_model
-from adazeta.optim import OPTIMIZERS
 from adazeta.optim.batched import ReplicaClosure, replica_sites, replicas_installed, replica_weights
 from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 from adazeta.run import parse, preflight, run

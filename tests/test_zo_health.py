@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-from adazeta.adapters.bottleneck import BottleneckAdapter, BottleneckAdapterConfig, add_bottleneck_adapters
+from adazeta.adapters.bottleneck import BottleneckAdapterConfig, add_bottleneck_adapters
 from adazeta.adapters.tt import TTAdapter, TTAdapterConfig, add_tt_adapters
 from adazeta.errors import ConfigError
 from adazeta.evaluate import evaluate
 from adazeta.models import ModelConfig, load_model
 from adazeta.optim.zo_sgd import ZOSGD
 from adazeta.schedules import AdaptiveOfficialConfig, budget_steps, build_adaptive_official
-from adazeta.scoring import batch_loss, collate, encode
+from adazeta.scoring import Scorer, batch_loss, collate, encode
 from adazeta.tasks.spec import Example
 from adazeta.tracking import DivergenceConfig, DivergenceMonitor
 
@@ -148,13 +148,14 @@ def test_an_overflowing_residual_stream_scores_every_candidate_equal():
     the norm returns zeros, every logit is 0, and the loss is exactly ln 2 with all candidates tied."""
     loaded, model = with_adapters("tt", "identity")
     batches = [tiny_batch(loaded)]
-    healthy = evaluate(model, batches, "causal")
+    scorer = Scorer.of(model, loaded.tokenizer)
+    healthy = evaluate(scorer, batches)
     assert healthy.tied == 0.0
     with torch.no_grad():
         for a in model.modules():
             if isinstance(a, TTAdapter):
                 a.up.bias.fill_(1e20)
-    broken = evaluate(model, batches, "causal")
+    broken = evaluate(scorer, batches)
     assert broken.tied == 1.0
     assert broken.loss == pytest.approx(math.log(2), abs=1e-6)
 
@@ -215,20 +216,19 @@ class Saboteur(torch.optim.Optimizer):
 
 
 def test_a_collapse_ends_the_run_as_diverged_and_test_uses_the_state_before_it(tmp_path):
-    from adazeta.scoring import batches
     from adazeta.tracking import Tracker, WandbConfig
-    from adazeta.train import TrainConfig, train
+    from adazeta.train import Loop, Splits, TrainConfig, train
 
     loaded, model = with_adapters("tt", "identity")
     tok = loaded.tokenizer
     items = encode(EXAMPLES * 4, tok, "causal", 128)
-    dev = list(batches(encode(EXAMPLES, tok, "causal", 128), 8, "causal", tok, sort=True))
+    scorer = Scorer.of(model, tok)
+    dev = scorer.batches(encode(EXAMPLES, tok, "causal", 128), 8, sort=True)
     adapters = [m for m in model.modules() if isinstance(m, TTAdapter)]
     opt = Saboteur([p for p in model.parameters() if p.requires_grad], adapters)
     tracker = Tracker(tmp_path, WandbConfig(mode="disabled"), "t", {}, [])
     cfg = TrainConfig(max_steps=10, batch_size=4, eval_every=1)
-    outcome = train(model, "causal", opt, lambda e: 1, items, dev, dev, cfg, tracker,
-                    DivergenceMonitor(DivergenceConfig()), torch.device("cpu"), tok.pad_token_id, None, seed=0)
+    outcome = train(scorer, opt, Splits(items, dev, dev), cfg, Loop(tracker, DivergenceMonitor(DivergenceConfig()), 0))
     tracker.close()
     assert outcome.status == "diverged" and outcome.reason.startswith("collapsed")
     assert outcome.steps == 3 and outcome.best_step < 3

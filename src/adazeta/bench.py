@@ -63,7 +63,7 @@ from adazeta.offline import use_shared
 from adazeta.optim.batched import ReplicaClosure
 from adazeta.results import git_state, package_versions
 from adazeta.run import Built, build, build_optimizer, compose_settings, seed_everything
-from adazeta.scoring import Encoded, batch_loss, batches, collate, encode, replica_losses
+from adazeta.scoring import Encoded, Scorer, batch_loss, collate, encode, replica_losses
 from adazeta.settings import Settings
 from adazeta.tasks.loaders import TaskData, load_task
 from adazeta.tracking import quiet_third_party, sync
@@ -415,12 +415,12 @@ def measure_speed(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     report.add("first_order", "first-order step (AdamW, TT adapters)", "packed", stats, "s")
 
     n = len(setup.dev_items)
+    scorer = Scorer.of(model, tok, "causal", device)
     eval_sets = {
-        f"batched ({args.eval_batch_size} per forward)":
-            [b.to(device) for b in batches(setup.dev_items, args.eval_batch_size, "causal", tok, sort=True)],
-        "one example at a time": [collate([e], "causal", tok.pad_token_id).to(device) for e in setup.dev_items],
+        f"batched ({args.eval_batch_size} per forward)": scorer.batches(setup.dev_items, args.eval_batch_size, sort=True),
+        "one example at a time": scorer.batches(setup.dev_items, 1),
     }
-    evals = {k: functools.partial(evaluate, model, v, "causal") for k, v in eval_sets.items()}
+    evals = {k: functools.partial(evaluate, scorer, v) for k, v in eval_sets.items()}
     stats = timed(evals, device, r, min(w, 1))
     for name, t in stats.items():
         report.add("evaluation", "evaluation throughput", name, Stats.of([n / x for x in t.samples]), "examples/s")

@@ -38,7 +38,6 @@ def worker(queries: int, steps: int, out: Path, overrides: list[str]) -> None:
     from adazeta.optim import zo_sgd
     from adazeta.optim.batched import ReplicaClosure
     from adazeta.run import build, compose_settings, seed_everything
-    from adazeta.scoring import collate, replica_losses
 
     s = compose_settings(overrides)
     d = distributed.init(s.distributed)
@@ -48,7 +47,7 @@ def worker(queries: int, steps: int, out: Path, overrides: list[str]) -> None:
         raise SystemExit(f"bench_dist measures ZO steps; method {s.method!r} is first-order")
     spread = distributed.Spread(d.rank, d.world_size, s.distributed.mode) if d.enabled else None
     items = b.enc["train"][: s.train.batch_size]
-    tok = b.tokenizer
+    scorer = b.scorer
     comm: list[float] = []
     all_sum = zo_sgd.all_sum_
 
@@ -63,8 +62,8 @@ def worker(queries: int, steps: int, out: Path, overrides: list[str]) -> None:
     def one_step() -> float:
         plan = spread.plan(queries, len(items)) if spread else None
         mine = plan.items(items) if plan else items
-        batch = collate(mine, b.family, tok.pad_token_id, getattr(tok, "mask_token_id", None)).to(b.device)
-        closure = ReplicaClosure(b.model, lambda r: replica_losses(b.model, batch, b.family, r))
+        batch = scorer.collate(mine)
+        closure = ReplicaClosure(b.model, lambda r: scorer.replica_losses(batch, r))
         if d.enabled:
             dist.barrier()
         start = time.perf_counter()

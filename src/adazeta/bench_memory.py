@@ -75,7 +75,6 @@ def worker(method: str, args: argparse.Namespace) -> dict:
     import torch
 
     from adazeta.run import build, compose_settings, seed_everything
-    from adazeta.scoring import batch_loss, collate
     from adazeta.train import first_order_step
 
     overrides = [
@@ -92,22 +91,21 @@ def worker(method: str, args: argparse.Namespace) -> dict:
     s = compose_settings(overrides)
     seed_everything(s.seed)
     built = build(s)  # model + adapter, task data, optimizer: as a run wires them
-    model, optimizer, device, family, tok = built.model, built.optimizer, built.device, built.family, built.tokenizer
+    optimizer, device, scorer = built.optimizer, built.device, built.scorer
     trainable = built.trainable_params
     items = built.enc["train"][: args.batch_size]
-    mask_id = getattr(tok, "mask_token_id", None)
-    batch = collate(items, family, tok.pad_token_id, mask_id).to(device)
+    batch = scorer.collate(items)
     zeroth_order = getattr(optimizer, "zeroth_order", False)
     del built
 
     def step() -> None:
         if optimizer is None:
             with torch.inference_mode():
-                float(batch_loss(model, batch, family))
+                float(scorer.loss(batch))
         elif zeroth_order:
-            float(optimizer.step(lambda: batch_loss(model, batch, family)))
+            float(optimizer.step(lambda: scorer.loss(batch)))
         else:
-            float(first_order_step(model, optimizer, items, 1, family, tok.pad_token_id, mask_id, device))
+            float(first_order_step(scorer, optimizer, items))
 
     _release_free_heap()
     rss_start = (_status_kib("VmRSS") or 0) / 1024

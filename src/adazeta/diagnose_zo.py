@@ -75,21 +75,20 @@ def main() -> None:
 
     from adazeta.run import build, compose_settings, seed_everything
     from adazeta.evaluate import evaluate
-    from adazeta.scoring import batches, collate, replica_losses
     from adazeta.optim.batched import ReplicaClosure
     from adazeta.train import steps_per_epoch
 
     s = compose_settings(["wandb.mode=disabled", *args.overrides])
     seed_everything(s.seed)
     b = build(s)
-    model, tok, family = b.model, b.tokenizer, b.family
-    dev = [x.to(b.device) for x in batches(b.enc["dev"], s.train.eval_batch_size, family, tok, sort=True)]
+    model, scorer = b.model, b.scorer
+    dev = scorer.batches(b.enc["dev"], s.train.eval_batch_size, sort=True)
     params = [p for _, p in b.named]
     probes = Probes(model)
 
     def dev_eval() -> dict[str, float]:
         probes.reset()
-        result = evaluate(model, dev, family)  # the loop's own evaluation: loss, accuracy, tied share
+        result = evaluate(scorer, dev)  # the loop's own evaluation: loss, accuracy, tied share
         rms = math.sqrt(probes.sq_sum / max(probes.count, 1))
         return dict(dev_loss=result.loss, dev_accuracy=result.accuracy, tied_fraction=result.tied,
                     final_norm_input_rms=rms, max_adapter_gain=probes.max_gain,
@@ -111,11 +110,11 @@ def main() -> None:
             if slot == 0 and step > 1:
                 order = torch.randperm(len(b.enc["train"]), generator=order_gen)
             chosen = [b.enc["train"][i] for i in order[slot * s.train.batch_size : (slot + 1) * s.train.batch_size].tolist()]
-            batch = collate(chosen, family, tok.pad_token_id, getattr(tok, "mask_token_id", None)).to(b.device)
+            batch = scorer.collate(chosen)
             before = [p.detach().clone() for p in params]
             q = b.schedule(epoch)
             b.optimizer.n_queries = q
-            loss = b.optimizer.step(ReplicaClosure(model, lambda n, bt=batch: replica_losses(model, bt, family, n)))
+            loss = b.optimizer.step(ReplicaClosure(model, lambda n, bt=batch: scorer.replica_losses(bt, n)))
             update = math.sqrt(sum(float((p.detach() - o).double().pow(2).sum()) for p, o in zip(params, before)))
             row = dict(step=step, loss=float(loss), n_queries=q, forward_passes=b.optimizer.forward_passes,
                        param_norm=norm(), update_norm=update)

@@ -6,9 +6,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import torch
-from torch import nn
 
-from adazeta.scoring import Batch, candidate_scores, objective_loss
+from adazeta.scoring import Batch, Scorer, objective_loss
 
 if TYPE_CHECKING:
     from adazeta.generation import GenerationSet
@@ -31,10 +30,8 @@ TIE_TOL = 1e-6  # candidate scores (mean log-likelihoods or logits) this close c
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module,
+    scorer: Scorer,
     batches: Sequence[Batch],
-    family: str,
-    objective: str = "classification",
     generation: "GenerationSet | None" = None,
     desc: str | None = None,
 ) -> EvalResult:
@@ -47,13 +44,14 @@ def evaluate(
 
     from adazeta.tracking import show_progress
 
+    model, objective = scorer.model, scorer.objective.kind
     was_training = model.training
     model.eval()
     loss_sum = correct = tied = multi = None
     n = 0
     shown = desc is not None and show_progress() and len(batches) > 1
     for batch in tqdm(batches, desc=desc, leave=False, dynamic_ncols=True, disable=not shown):
-        scores = candidate_scores(model, batch, family)
+        scores = scorer.scores(batch)
         loss = objective_loss(scores, batch.gold, objective, reduction="sum")
         hits = (scores.argmax(dim=1) == batch.gold).sum()
         ties, several = tie_counts(scores)

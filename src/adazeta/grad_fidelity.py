@@ -43,7 +43,6 @@ COLUMNS = ["method", "trainable", "lr", "seed", "queries", "cosine", "expected_c
 def measure(method: str, queries: list[int], seeds: list[int], lr: float | None, extra: list[str]) -> Path:
     from adazeta.fidelity import autograd_gradient, expected_cosine, zo_fidelity
     from adazeta.run import build, compose_settings, seed_everything
-    from adazeta.scoring import batch_loss, collate
 
     overrides, default_lr = METHODS[method]
     s = compose_settings(["task=sst2", "model=smollm2-135m", "data.num_dev=8", "data.num_eval=8",
@@ -51,19 +50,19 @@ def measure(method: str, queries: list[int], seeds: list[int], lr: float | None,
     lr = default_lr if lr is None else lr
     seed_everything(s.seed)
     b = build(s)
-    model, family, tok = b.model, b.family, b.tokenizer
+    model, scorer = b.model, b.scorer
     model.eval()
     # The first minibatch of a run with this seed (the training loop's data order).
     order = torch.randperm(len(b.enc["train"]), generator=torch.Generator().manual_seed(s.seed))
     items = [b.enc["train"][i] for i in order[: s.train.batch_size].tolist()]
-    batch = collate(items, family, tok.pad_token_id, getattr(tok, "mask_token_id", None)).to(b.device)
+    batch = scorer.collate(items)
     params = [p for _, p in b.named]
     dim = sum(p.numel() for p in params)
-    grad = autograd_gradient(params, lambda: batch_loss(model, batch, family))
-    base = float(batch_loss(model, batch, family).detach())
+    grad = autograd_gradient(params, lambda: scorer.loss(batch))
+    base = float(scorer.loss(batch).detach())
     masks = b.optimizer.masks(params) if hasattr(b.optimizer, "masks") else None
     start = time.time()
-    rows = zo_fidelity(params, lambda: batch_loss(model, batch, family), grad, queries, seeds,
+    rows = zo_fidelity(params, lambda: scorer.loss(batch), grad, queries, seeds,
                        s.optimizer.config.eps, lr, masks)
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"{method}.csv"

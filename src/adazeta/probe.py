@@ -15,11 +15,10 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from torch import nn
 
 from adazeta.errors import ConfigError
 from adazeta.evaluate import EvalResult
-from adazeta.scoring import Encoded, lm_parts
+from adazeta.scoring import Encoded, Scorer, lm_parts
 from adazeta.tracking import Tracker
 from adazeta.train import Outcome
 
@@ -43,16 +42,9 @@ class ProbeConfig:
 
 
 @torch.no_grad()
-def prompt_features(
-    model: nn.Module,
-    items: Sequence[Encoded],
-    family: str,
-    batch_size: int,
-    device: torch.device,
-    pad_id: int,
-    mask_id: int | None,
-) -> np.ndarray:
+def prompt_features(scorer: Scorer, items: Sequence[Encoded], batch_size: int) -> np.ndarray:
     """(N, H) float32 final hidden states at each prompt's last token (causal) or its mask (masked)."""
+    model, family, device, pad_id, mask_id = scorer.model, scorer.family, scorer.device, scorer.pad_id, scorer.mask_id
     backbone, _ = lm_parts(model, family)
     model.eval()
     order = sorted(range(len(items)), key=lambda i: len(items[i].prompt))  # similar lengths: less padding
@@ -127,15 +119,7 @@ def fit_probe(
 
 
 def linear_probe(
-    model: nn.Module,
-    family: str,
-    encoded: dict[str, Sequence[Encoded]],
-    cfg: ProbeConfig,
-    batch_size: int,
-    device: torch.device,
-    pad_id: int,
-    mask_id: int | None,
-    tracker: Tracker,
+    scorer: Scorer, encoded: dict[str, Sequence[Encoded]], cfg: ProbeConfig, batch_size: int, tracker: Tracker,
     seed: int,
 ) -> tuple[Outcome, dict[str, Any]]:
     """Features of train/dev/eval, the probe fitted and selected on dev, dev and test logged; no training steps."""
@@ -143,7 +127,7 @@ def linear_probe(
     if len(counts) != 1:
         raise ConfigError("lp needs the same candidate set for every example (a classification task); this task varies")
     num_classes = counts.pop()
-    feats = {s: prompt_features(model, encoded[s], family, batch_size, device, pad_id, mask_id) for s in encoded}
+    feats = {s: prompt_features(scorer, encoded[s], batch_size) for s in encoded}
     labels = {s: np.array([e.gold for e in encoded[s]]) for s in encoded}
     probe, grid = fit_probe(feats["train"], labels["train"], feats["dev"], labels["dev"], cfg, num_classes, seed)
     dev = probe.evaluate(feats["dev"], labels["dev"])

@@ -45,7 +45,7 @@ from adazeta.results import device_info, git_state, package_versions, read_resul
 from adazeta.rundir import Interrupted, StopSignals, atomic_write_text, claim, config_differences
 from adazeta.optim.batched import replica_sites
 from adazeta.schedules import SCHEDULES, Schedule, budget_steps, mean_queries
-from adazeta.scoring import Encoded, batches, encode, packing_supported
+from adazeta.scoring import Encoded, Scorer, encode, packing_supported
 from adazeta.settings import Component, Settings, parse  # noqa: F401  (re-exported)
 from adazeta.tasks.loaders import TaskData, check_data, load_task, validate_local_rows
 from adazeta.tasks.objectives import build_objective
@@ -57,7 +57,7 @@ from adazeta.tracking import (
     quiet_third_party,
     reset_peak_memory,
 )
-from adazeta.train import Checkpoints, RunLength, steps_per_epoch, train
+from adazeta.train import Checkpoints, Loop, RunLength, Splits, steps_per_epoch, train
 
 log = logging.getLogger("adazeta")
 
@@ -148,6 +148,11 @@ class Built:
     @property
     def tokenizer(self) -> Any:
         return self.loaded.tokenizer
+
+    @property
+    def scorer(self) -> Scorer:
+        """How examples are scored with the adapted model (classification objective; a run adds the task's)."""
+        return Scorer.of(self.model, self.tokenizer, self.family, self.device)
 
 
 def build(s: Settings, loaded: LoadedModel | None = None, data: TaskData | None = None) -> Built:
@@ -404,9 +409,8 @@ def _execute(
     optimizer, schedule, device = b.optimizer, b.schedule, b.device
     if b.demonstrations is not None:
         record.demonstrations = b.demonstrations
-
-    def collated(split: str) -> list:
-        return [x.to(device) for x in batches(enc[split], s.train.eval_batch_size, family, tok, sort=True)]
+    objective = build_objective(s.task, data, enc, tok, s.model.max_length, s.train.eval_batch_size)
+    scorer = dataclasses.replace(b.scorer, objective=objective)
 
     record.total_params, record.trainable_params = b.total_params, b.trainable_params
     record.num_train, record.num_dev, record.num_eval = len(data.train), len(data.dev), len(data.eval)
@@ -442,10 +446,7 @@ def _execute(
         tracker = SilentTracker(resume=resume["tracker"] if resume else None)
     try:
         if s.probe is not None:
-            outcome, record.probe = linear_probe(
-                model, family, enc, s.probe, s.train.eval_batch_size, device, tok.pad_token_id,
-                getattr(tok, "mask_token_id", None), tracker, s.seed,
-            )
+            outcome, record.probe = linear_probe(scorer, enc, s.probe, s.train.eval_batch_size, tracker, s.seed)
         else:
             checkpoints = Checkpoints(
                 save=lambda state: d.is_main and save_checkpoint(
@@ -455,26 +456,11 @@ def _execute(
                 stop=signals,
             )
             signals.loop = True  # from here a signal ends the current step, checkpoints, and stops
-            outcome = train(
-                model,
-                family,
-                optimizer,
-                schedule,
-                enc["train"],
-                collated("dev"),
-                collated("eval"),
-                s.train,
-                tracker,
-                DivergenceMonitor(s.divergence),
-                device,
-                tok.pad_token_id,
-                getattr(tok, "mask_token_id", None),
-                s.seed,
-                objective=build_objective(s.task, data, enc, tok, s.model.max_length, s.train.eval_batch_size),
-                checkpoints=checkpoints,
-                spread=Spread(d.rank, d.world_size, s.distributed.mode) if d.enabled else None,
-                length=b.length,
-            )
+            splits = Splits(enc["train"], scorer.batches(enc["dev"], s.train.eval_batch_size, sort=True),
+                            scorer.batches(enc["eval"], s.train.eval_batch_size, sort=True))
+            spread = Spread(d.rank, d.world_size, s.distributed.mode) if d.enabled else None
+            loop = Loop(tracker, DivergenceMonitor(s.divergence), s.seed, schedule, b.length, checkpoints, spread)
+            outcome = train(scorer, optimizer, splits, s.train, loop)
             signals.loop = False
     except BaseException:
         tracker.close(failed=True)

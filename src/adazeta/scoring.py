@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from adazeta.errors import ConfigError
+from adazeta.tasks.objectives import Objective
 from adazeta.tasks.spec import Example
 
 LAYOUTS = ("packed", "rows")
@@ -413,17 +414,6 @@ def collate(
     )
 
 
-def batches(
-    encoded: Sequence[Encoded], batch_size: int, family: str, tokenizer: Any, sort: bool = False
-) -> Iterator[Batch]:
-    """Consecutive batches of ``batch_size`` examples; ``sort`` groups similar lengths (less padding, eval only)."""
-    order = sorted(range(len(encoded)), key=lambda i: encoded[i].num_tokens()) if sort else range(len(encoded))
-    order = list(order)
-    for start in range(0, len(order), batch_size):
-        chunk = [encoded[i] for i in order[start : start + batch_size]]
-        yield collate(chunk, family, tokenizer.pad_token_id, getattr(tokenizer, "mask_token_id", None))
-
-
 def lm_parts(model: nn.Module, family: str) -> tuple[nn.Module, nn.Module]:
     """(backbone, head): hidden states from the backbone, vocabulary logits from the head at chosen positions."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
@@ -531,3 +521,49 @@ def replica_losses(
     scores = candidate_scores(model, batch.repeat(replicas), family)
     per_example = objective_loss(scores, batch.gold.repeat(replicas), objective, reduction="none")
     return per_example.view(replicas, batch.num_examples).mean(dim=1)
+
+
+@dataclass
+class Scorer:
+    """How a run scores examples: its model and what collating and scoring need besides it.
+
+    Built once from the loaded model (``Scorer.of``, or ``adazeta.run.Built.scorer``); the training loop, evaluation,
+    first-order steps and the tools take it instead of the model, family, pad / mask ids, device and objective.
+    """
+
+    model: nn.Module
+    family: str = "causal"  # causal | masked
+    pad_id: int = 0
+    mask_id: int | None = None  # masked LMs: the mask token the label word is read at
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    # The task's objective (``adazeta.tasks.objectives.Objective``): classification by default.
+    objective: Objective = dataclasses.field(default_factory=Objective)
+
+    @classmethod
+    def of(cls, model: nn.Module, tokenizer: Any, family: str = "causal", device: torch.device | str = "cpu",
+           objective: Objective | None = None) -> "Scorer":
+        return cls(model, family, tokenizer.pad_token_id, getattr(tokenizer, "mask_token_id", None),
+                   torch.device(device), objective or Objective())
+
+    def collate(self, items: Sequence[Encoded]) -> Batch:
+        """``items`` as one batch on the model's device."""
+        return collate(items, self.family, self.pad_id, self.mask_id).to(self.device)
+
+    def batches(self, encoded: Sequence[Encoded], batch_size: int, sort: bool = False) -> list[Batch]:
+        """All of ``encoded`` in batches of ``batch_size`` on the model's device (``sort``: for evaluation)."""
+        order = sorted(range(len(encoded)), key=lambda i: encoded[i].num_tokens()) if sort else range(len(encoded))
+        order = list(order)
+        return [self.collate([encoded[i] for i in order[start : start + batch_size]])
+                for start in range(0, len(order), batch_size)]
+
+    def scores(self, batch: Batch) -> torch.Tensor:
+        """(B, max_candidates) candidate scores (``candidate_scores``)."""
+        return candidate_scores(self.model, batch, self.family)
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        """The task's training loss on ``batch``."""
+        return batch_loss(self.model, batch, self.family, self.objective.kind)
+
+    def replica_losses(self, batch: Batch, replicas: int) -> torch.Tensor:
+        """(replicas,) losses of one forward over ``replicas`` copies of ``batch`` (``replica_losses``)."""
+        return replica_losses(self.model, batch, self.family, replicas, self.objective.kind)

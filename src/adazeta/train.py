@@ -23,8 +23,8 @@ from adazeta.distributed import Spread, all_sum_, any_rank
 from adazeta.errors import ConfigError
 from adazeta.evaluate import EvalResult, evaluate
 from adazeta.optim.batched import ReplicaClosure
-from adazeta.scoring import Batch, Encoded, batch_loss, collate, replica_losses
-from adazeta.tasks.objectives import Objective, gold_only
+from adazeta.scoring import Batch, Encoded, Scorer
+from adazeta.tasks.objectives import gold_only
 from adazeta.tracking import DivergenceMonitor, Progress, Tracker, peak_memory_mb, sync
 
 
@@ -106,6 +106,36 @@ def steps_per_epoch(num_train: int, batch_size: int) -> int:
     return math.ceil(num_train / batch_size)
 
 
+@dataclass
+class Splits:
+    """The examples a run trains on (encoded, batched per step by the loop) and evaluates on (batched once)."""
+
+    train: Sequence[Encoded]
+    dev: Sequence[Batch]
+    test: Sequence[Batch]
+
+
+@dataclass
+class Loop:
+    """What steers the training loop besides its config and what it reports to.
+
+    ``schedule``: Q per epoch (ZO methods); ``length``: the run's length as ``adazeta.run.run_length`` decided it
+    (default: from the config and the data); ``checkpoints``: save the loop's state every
+    ``train.checkpoint_every`` steps and when ``stop()`` says so (then the run ends ``interrupted``, untested), and
+    continue from ``checkpoints.resume``: every number logged after a resume is the one the uninterrupted run logs;
+    ``spread``: the run's processes (``adazeta.distributed``) when it runs on several: ZO steps divide their
+    queries and minibatch over them, first-order steps train through DistributedDataParallel on data shards.
+    """
+
+    tracker: Tracker
+    monitor: DivergenceMonitor
+    seed: int  # the data order's; perturbations have their own streams
+    schedule: Callable[[int], int] = lambda epoch: 1
+    length: RunLength | None = None
+    checkpoints: Checkpoints | None = None
+    spread: Spread | None = None
+
+
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """A detached CPU copy of the trainable parameters (the best-dev checkpoint, kept in memory)."""
     return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
@@ -141,40 +171,18 @@ def param_norm(params: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.float().to(norms[0].device) for n in norms]))
 
 
-def train(
-    model: nn.Module,
-    family: str,
-    optimizer: torch.optim.Optimizer | None,
-    schedule: Callable[[int], int],
-    train_items: Sequence[Encoded],
-    dev_batches: Sequence[Batch],
-    test_batches: Sequence[Batch],
-    cfg: TrainConfig,
-    tracker: Tracker,
-    monitor: DivergenceMonitor,
-    device: torch.device,
-    pad_id: int,
-    mask_id: int | None,
-    seed: int,
-    objective: Objective | None = None,
-    checkpoints: Checkpoints | None = None,
-    spread: Spread | None = None,
-    length: RunLength | None = None,
-) -> Outcome:
-    """Train for ``length.max_steps`` steps (none when ``optimizer`` is None) and evaluate the best-dev state.
+def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Splits, cfg: TrainConfig,
+          loop: Loop) -> Outcome:
+    """Train for ``loop.length.max_steps`` steps (none when ``optimizer`` is None) and evaluate the best-dev state.
 
-    ``objective`` is the task's: classification by default; the LM loss (COPA, ReCoRD); generation
+    ``scorer.objective`` is the task's: classification by default; the LM loss (COPA, ReCoRD); generation
     (SQuAD, DROP: scored by F1 of greedy generations, optionally trained on -F1 by ZO methods).
-    ``checkpoints``: save the loop's state every ``cfg.checkpoint_every`` steps and when ``stop()`` says so
-    (then the run ends ``interrupted``, untested), and continue from ``checkpoints.resume`` when given: every
-    number logged after a resume is the one the uninterrupted run logs.
-    ``spread``: the run's processes (``adazeta.distributed``), when it runs on several: ZO steps divide their
-    queries and minibatch over them, first-order steps train through DistributedDataParallel on data shards.
-    Every rank runs this loop on the same data and takes the same decisions.
-    ``length``: the run's length as ``adazeta.run.run_length`` decided it (default: from ``cfg`` and the data).
+    Every rank of a run on several processes (``loop.spread``) runs this loop on the same data and takes the same
+    decisions.
     """
-    ckpt = checkpoints or Checkpoints(save=lambda state: None)
-    obj = objective or Objective()
+    model, device, obj = scorer.model, scorer.device, scorer.objective
+    tracker, monitor, spread, length = loop.tracker, loop.monitor, loop.spread, loop.length
+    ckpt = loop.checkpoints or Checkpoints(save=lambda state: None)
     if obj.zo_loss is not None and optimizer is not None and not getattr(optimizer, "zeroth_order", False):
         raise ConfigError(
             "task.f1_objective=true trains on the F1 of generated answers, which has no gradient: "
@@ -182,7 +190,7 @@ def train(
         )
 
     def dev_eval(step: int) -> EvalResult:
-        result = evaluate(model, dev_batches, family, obj.kind, obj.dev_generation, desc=f"dev@{step}")
+        result = evaluate(scorer, splits.dev, obj.dev_generation, desc=f"dev@{step}")
         if result.n:  # a training-free run without a train split has no dev set
             tracker.log_eval(step, "dev", result.loss, result.accuracy, result.tied)
         return result
@@ -192,7 +200,7 @@ def train(
         initial = best = dev_eval(0)
         reason = monitor.update(initial.loss, initial.tied) if initial.n else None
         if reason is not None:  # e.g. an adapter init that already overflows: nothing to train from
-            test = evaluate(model, test_batches, family, obj.kind, obj.test_generation, desc="test")
+            test = evaluate(scorer, splits.test, obj.test_generation, desc="test")
             tracker.log_eval(0, "test", test.loss, test.accuracy, test.tied)
             return Outcome("diverged", reason, 0, 0, initial, initial, test, 0)
         best_step, best_state = 0, (trainable_state(model) if cfg.keep_best and optimizer else None)
@@ -205,11 +213,11 @@ def train(
     if optimizer is not None:
         zeroth_order = getattr(optimizer, "zeroth_order", False)
         if length is None:
-            length = RunLength(steps_per_epoch(len(train_items), cfg.batch_size), cfg.max_steps,
+            length = RunLength(steps_per_epoch(len(splits.train), cfg.batch_size), cfg.max_steps,
                                cfg.max_forward_passes, 0.0)
         per_epoch, max_steps, budget = length.steps_per_epoch, length.max_steps, length.max_forward_passes
-        order_gen = torch.Generator().manual_seed(seed)  # data order only; perturbations have their own
-        order = torch.randperm(len(train_items), generator=order_gen)
+        order_gen = torch.Generator().manual_seed(loop.seed)  # data order only; perturbations have their own
+        order = torch.randperm(len(splits.train), generator=order_gen)
         trainable = [p for group in optimizer.param_groups for p in group["params"]]
         last_eval_forwards, first_step = 0, 1
         if resume is not None:
@@ -232,7 +240,7 @@ def train(
 
         ddp = None
         if spread is not None and not zeroth_order:  # gradients averaged over the ranks' shards
-            ddp = DistributedDataParallel(LossModule(model), device_ids=[device.index] if device.type == "cuda" else None,
+            ddp = DistributedDataParallel(LossModule(scorer), device_ids=[device.index] if device.type == "cuda" else None,
                                           broadcast_buffers=False)
         progress = Progress(max_steps, initial=first_step - 1, budget=budget, initial_forwards=forward_passes)
         if resume is not None:
@@ -240,13 +248,13 @@ def train(
         for step in range(first_step, max_steps + 1):
             epoch, slot = divmod(step - 1, per_epoch)
             if slot == 0 and step > 1:
-                order = torch.randperm(len(train_items), generator=order_gen)
-            chosen = [train_items[i] for i in order[slot * cfg.batch_size : (slot + 1) * cfg.batch_size].tolist()]
+                order = torch.randperm(len(splits.train), generator=order_gen)
+            chosen = [splits.train[i] for i in order[slot * cfg.batch_size : (slot + 1) * cfg.batch_size].tolist()]
             if obj.trains_on_gold_only:
                 chosen = gold_only(chosen)
             start = time.perf_counter()
             if zeroth_order:
-                n_queries = schedule(epoch)
+                n_queries = loop.schedule(epoch)
                 plan = spread.plan(n_queries, len(chosen)) if spread is not None else None
                 mine = plan.items(chosen) if plan is not None else chosen  # this rank's shard (all: one process)
                 if not mine:  # more ranks than examples: this rank adds nothing to the step's losses
@@ -255,18 +263,13 @@ def train(
                     closure = functools.partial(obj.zo_loss, model, mine)
                 else:
                     # A ReplicaClosure also lets a batched_queries optimizer score all perturbations at once.
-                    batch = collate(mine, family, pad_id, mask_id).to(device)
-                    closure = ReplicaClosure(
-                        model, functools.partial(replica_losses, model, batch, family, objective=obj.kind), batch
-                    )
+                    batch = scorer.collate(mine)
+                    closure = ReplicaClosure(model, functools.partial(scorer.replica_losses, batch), batch)
                 loss = optimizer.step(closure, n_queries=n_queries, **({"plan": plan} if plan is not None else {}))
                 forward_passes = optimizer.forward_passes
             else:
                 n_queries = 0
-                loss = first_order_step(
-                    model, optimizer, chosen, cfg.grad_accum, family, pad_id, mask_id, device, obj.kind,
-                    ddp=ddp, spread=spread,
-                )
+                loss = first_order_step(scorer, optimizer, chosen, cfg.grad_accum, ddp=ddp, spread=spread)
                 forward_passes += cfg.grad_accum
             loss_value = float(loss)  # one host sync per step, never per query
             sync(device)
@@ -322,7 +325,7 @@ def train(
         elif not cfg.keep_best:
             best_step = step
 
-    test = evaluate(model, test_batches, family, obj.kind, obj.test_generation, desc="test")
+    test = evaluate(scorer, splits.test, obj.test_generation, desc="test")
     tracker.log_eval(best_step, "test", test.loss, test.accuracy, test.tied)
     return Outcome(status, reason, step, best_step, initial, best, test, forward_passes)
 
@@ -334,26 +337,21 @@ def _no_examples() -> torch.Tensor:
 class LossModule(nn.Module):
     """The minibatch loss as a module's forward, so that DistributedDataParallel can wrap the scoring."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, scorer: Scorer):
         super().__init__()
-        self.model = model
+        self.model, self.scorer = scorer.model, scorer  # the model as a submodule: DDP finds its parameters
 
-    def forward(self, batch: Batch | None, family: str, objective: str) -> torch.Tensor:
+    def forward(self, batch: Batch | None) -> torch.Tensor:
         if batch is None:  # an empty shard: zero, but through every trainable parameter
             return sum(p.sum() for p in self.model.parameters() if p.requires_grad) * 0.0
-        return batch_loss(self.model, batch, family, objective)
+        return self.scorer.loss(batch)
 
 
 def first_order_step(
-    model: nn.Module,
+    scorer: Scorer,
     optimizer: torch.optim.Optimizer,
     items: Sequence[Encoded],
-    grad_accum: int,
-    family: str,
-    pad_id: int,
-    mask_id: int | None,
-    device: torch.device,
-    objective: str = "classification",
+    grad_accum: int = 1,
     ddp: DistributedDataParallel | None = None,
     spread: Spread | None = None,
 ) -> torch.Tensor:
@@ -362,26 +360,27 @@ def first_order_step(
     With ``ddp`` (several processes), each rank scores its shard of ``items`` and DDP averages the gradients
     over the ranks; each shard's loss is scaled by N x its share, so that the average is the whole minibatch's.
     """
+    model = scorer.model
     model.train()
     optimizer.zero_grad(set_to_none=True)
     whole, scale = len(items), 1.0
     if ddp is not None and spread is not None:
         items = Spread(spread.rank, spread.world_size, "data").plan(1, whole).items(items)
         scale = float(spread.world_size)
-    total = torch.zeros((), device=device)
+    total = torch.zeros((), device=scorer.device)
     if ddp is not None and not items:  # more ranks than examples: a zero loss still joins the gradient average
-        ddp(None, family, objective).backward()
+        ddp(None).backward()
     size = math.ceil(len(items) / grad_accum) if items else 1
     for start in range(0, len(items), size):
         micro = items[start : start + size]
-        batch = collate(micro, family, pad_id, mask_id).to(device)
+        batch = scorer.collate(micro)
         share = len(micro) / whole * scale
         if ddp is None:
-            loss = batch_loss(model, batch, family, objective) * share
+            loss = scorer.loss(batch) * share
             loss.backward()
         else:  # only the last micro-batch's backward all-reduces the summed gradients
             with ddp.no_sync() if start + size < len(items) else contextlib.nullcontext():
-                loss = ddp(batch, family, objective) * share
+                loss = ddp(batch) * share
                 loss.backward()
         total += loss.detach() / scale
     if ddp is not None:
