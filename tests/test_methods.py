@@ -353,7 +353,7 @@ def test_probe_selects_c_on_dev_and_separates_separable_features():
     probe, grid = fit_probe(x[:200], y[:200], x[200:], y[200:], ProbeConfig(C=[1e-4, 1.0]), num_classes=3)
     assert set(grid) == {1e-4, 1.0} and probe.C == max(grid, key=grid.get)
     result = probe.evaluate(x[200:], y[200:])
-    assert result.accuracy > 0.9 and result.loss < math.log(3) and result.n == 100
+    assert result.score > 0.9 and result.loss < math.log(3) and result.n == 100
     with pytest.raises(ConfigError, match="single class"):
         fit_probe(x[:10], np.zeros(10, dtype=int), x[10:20], y[10:20], ProbeConfig(), num_classes=3)
     with pytest.raises(ConfigError, match="probe.C"):

@@ -199,3 +199,19 @@ def test_divergence_monitor_counts_consecutive_strikes(rule):
     assert monitor.update(2.5) is None
     assert "2 evaluations" in monitor.update(3.0)
     assert "non-finite" in DivergenceMonitor(DivergenceConfig()).update(float("nan"))
+
+
+def test_the_main_metric_names_the_record_keys():
+    """result.json's score keys carry the task's metric: accuracy for classification, f1 for generation tasks,
+    and a checkpoint of an earlier release (which called the score accuracy) still restores."""
+    from adazeta.evaluate import EvalResult
+    from adazeta.record import RunRecord, main_score
+
+    record = RunRecord("mezo", "squad", 1, "m", 0, None, metric="f1", dev_score=0.4, test_score=0.5,
+                       initial_dev_score=0.1)
+    saved = record.as_dict()
+    assert (saved["initial_dev_f1"], saved["dev_f1"], saved["test_f1"]) == (0.1, 0.4, 0.5)
+    assert not any(k.endswith("_accuracy") or k.endswith("_score") for k in saved)
+    assert main_score(saved, "test") == 0.5 and main_score({"test_accuracy": 0.7}, "test") == 0.7
+    old = {"loss": 0.5, "accuracy": 0.75, "n": 8, "metrics": {}, "tied": 0.0}
+    assert EvalResult.restore(old) == EvalResult(0.5, 0.75, 8)

@@ -229,7 +229,7 @@ def test_evaluation_loss_and_accuracy_equal_the_plain_computation():
         batches = [collate(enc[i : i + 4], "causal", tok.pad_token_id, layout=layout) for i in range(0, len(enc), 4)]
         result = evaluate(Scorer.of(loaded.model, tok), batches)
         assert result.loss == pytest.approx(F.cross_entropy(ref, gold).item(), abs=1e-5)
-        assert result.accuracy == (ref.argmax(1) == gold).float().mean().item()
+        assert result.score == (ref.argmax(1) == gold).float().mean().item()
         assert result.n == len(examples)
 
 

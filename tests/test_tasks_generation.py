@@ -14,7 +14,8 @@ from adazeta import generation
 from adazeta.errors import ConfigError
 from adazeta.generation import GenerationSet, answer_text, generation_metrics, greedy_generate, stop_token_ids
 from adazeta.models import ModelConfig, load_model
-from adazeta.tracking import EVAL_COLUMNS
+from adazeta.record import main_score
+from adazeta.tracking import eval_columns
 from adazeta.run import run
 from adazeta.scoring import batch_loss, candidate_scores, collate, encode, objective_loss
 from adazeta.tasks.metrics import best_exact_match, best_f1, exact_match, normalize_answer, token_f1
@@ -121,11 +122,12 @@ def test_generation_task_records_f1_and_em(monkeypatch, tmp_path):
     assert saved["status"] == "finished" and saved["metric"] == "f1"
     for split in ("dev", "test"):
         assert 0.0 <= saved[f"{split}_em"] <= saved[f"{split}_f1"] <= 1.0
-    assert saved["test_accuracy"] == saved["test_f1"]  # the accuracy column holds the task's main metric
+    assert "test_accuracy" not in saved and "dev_accuracy" not in saved  # F1 is not called accuracy
+    assert main_score(saved, "test") == saved["test_f1"] and main_score(saved, "initial_dev") is not None
     with open(tmp_path / "eval.csv") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == EVAL_COLUMNS
-    assert float(rows[-1]["accuracy"]) == pytest.approx(record["test_f1"])
+    assert list(rows[0]) == eval_columns("f1") == ["step", "split", "loss", "f1", "tied"]
+    assert float(rows[-1]["f1"]) == pytest.approx(record["test_f1"])
     assert float(rows[-1]["loss"]) > 0  # the LM loss of the gold answer
 
 

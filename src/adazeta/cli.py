@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from adazeta.errors import ConfigError
 from adazeta.overrides import check
+from adazeta.record import main_score
 
 CONFIG_ENV = "ADAZETA_CONFIG_DIR"
 
@@ -79,7 +80,7 @@ def _main(cfg: DictConfig) -> float | None:
         print(f"adazeta-run: interrupted ({record.get('reason')}); run the same command again to resume",
               file=sys.stderr)
         sys.exit(128 + signal.Signals[record.get("signal") or "SIGINT"].value)
-    return record.get("dev_accuracy")  # what a Hydra sweeper would optimise
+    return main_score(record, "dev")  # what a Hydra sweeper would optimise: dev accuracy, or F1
 
 
 FAILURES = "failed_points.txt"  # in a sweep's directory: one line per point that did not run to a result

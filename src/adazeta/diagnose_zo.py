@@ -90,7 +90,7 @@ def main() -> None:
         probes.reset()
         result = evaluate(scorer, dev)  # the loop's own evaluation: loss, accuracy, tied share
         rms = math.sqrt(probes.sq_sum / max(probes.count, 1))
-        return dict(dev_loss=result.loss, dev_accuracy=result.accuracy, tied_fraction=result.tied,
+        return dict(dev_loss=result.loss, dev_accuracy=result.score, tied_fraction=result.tied,
                     final_norm_input_rms=rms, max_adapter_gain=probes.max_gain,
                     overflow_fraction=probes.overflow / max(probes.count / model.config.hidden_size, 1))
 

@@ -16,13 +16,22 @@ if TYPE_CHECKING:
 @dataclass
 class EvalResult:
     loss: float
-    accuracy: float  # the task's main metric: accuracy, or F1 of the generations for generation tasks
+    score: float  # the task's main metric (``metric``): accuracy, or F1 of the generations for generation tasks
     n: int
     metrics: dict[str, float] = field(default_factory=dict)  # generation tasks: f1 and em
     # Fraction of examples (with two or more candidates) whose candidates all score the same, to TIE_TOL: a
     # healthy model almost never ties; a model whose residual stream overflowed float32 (the final norm then
     # outputs zeros, every logit is 0) ties on every example, and its loss is exactly ln(#candidates).
     tied: float = 0.0
+    metric: str = "accuracy"  # what ``score`` is: accuracy | f1
+
+    @classmethod
+    def restore(cls, state: dict) -> "EvalResult":
+        """An EvalResult from its ``dataclasses.asdict`` (a checkpoint's; earlier releases named score accuracy)."""
+        state = dict(state)
+        if "accuracy" in state:
+            state["score"] = state.pop("accuracy")
+        return cls(**state)
 
 
 TIE_TOL = 1e-6  # candidate scores (mean log-likelihoods or logits) this close count as equal
@@ -35,9 +44,10 @@ def evaluate(
     generation: "GenerationSet | None" = None,
     desc: str | None = None,
 ) -> EvalResult:
-    """Mean loss (the task's objective) and accuracy over pre-collated batches (already on the model's device).
+    """Mean loss (the task's objective) and score over pre-collated batches (already on the model's device).
 
-    With ``generation`` (SQuAD, DROP) the accuracy is the F1 of greedy generations, and F1 / EM go to ``metrics``.
+    The score is the accuracy; with ``generation`` (SQuAD, DROP) it is the F1 of greedy generations (``metric``
+    says which), and F1 / EM go to ``metrics``.
     ``desc``: name of a progress bar over the batches, shown on a terminal (``tracking.show_progress``).
     """
     from tqdm.auto import tqdm
@@ -66,11 +76,12 @@ def evaluate(
 
         metrics = generation_metrics(model, generation)
     model.train(was_training)
+    metric = "f1" if generation is not None else "accuracy"
     if n == 0:
-        return EvalResult(float("nan"), float("nan"), 0)
-    accuracy = metrics["f1"] if generation is not None else float(correct) / n  # the one sync point
+        return EvalResult(float("nan"), float("nan"), 0, metric=metric)
+    score = metrics["f1"] if generation is not None else float(correct) / n  # the one sync point
     tied_fraction = float(tied) / float(multi) if float(multi) else 0.0
-    return EvalResult(float(loss_sum) / n, accuracy, n, metrics, tied_fraction)
+    return EvalResult(float(loss_sum) / n, score, n, metrics, tied_fraction, metric)
 
 
 def tie_counts(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

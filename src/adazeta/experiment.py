@@ -29,6 +29,7 @@ import yaml
 
 from adazeta.cli import config_dir
 from adazeta.offline import use_shared
+from adazeta.record import main_score
 
 PHASES = ("select", "seeds", "stress")
 
@@ -85,7 +86,7 @@ def chosen_lr(name: str, arm: str, spec: dict, seed: int) -> float | None | obje
         rec = record(Job(arm, lr, seed, name, []).run_dir)
         if rec is None or rec.get("status") not in ("finished", "diverged"):
             return UNDECIDED
-        results.append((-rec["dev_accuracy"], rec["dev_loss"], len(results), lr))
+        results.append((-main_score(rec, "dev"), rec["dev_loss"], len(results), lr))
     return min(results)[3]
 
 

@@ -111,8 +111,8 @@ def fit_probe(
             log.warning("lp: C=%g did not converge in probe.max_iter=%d iterations", c, cfg.max_iter)
         probe = Probe(c, clf, scaler, num_classes)
         dev = probe.evaluate(x_dev, y_dev)
-        grid[c] = dev.accuracy
-        if best is None or (dev.accuracy, -dev.loss) > (best[1].accuracy, -best[1].loss):
+        grid[c] = dev.score
+        if best is None or (dev.score, -dev.loss) > (best[1].score, -best[1].loss):
             best = (probe, dev)
     assert best is not None
     return best[0], grid
@@ -132,8 +132,8 @@ def linear_probe(
     probe, grid = fit_probe(feats["train"], labels["train"], feats["dev"], labels["dev"], cfg, num_classes, seed)
     dev = probe.evaluate(feats["dev"], labels["dev"])
     test = probe.evaluate(feats["eval"], labels["eval"])
-    tracker.log_eval(0, "dev", dev.loss, dev.accuracy)
-    tracker.log_eval(0, "test", test.loss, test.accuracy)
+    tracker.log_eval(0, "dev", dev.loss, dev.score)
+    tracker.log_eval(0, "test", test.loss, test.score)
     log.info("lp: C=%g chosen on dev (dev accuracy per C: %s)", probe.C, grid)
     # Nothing precedes the fit, so the "initial" dev result is the probe's own.
     outcome = Outcome("finished", None, 0, 0, dev, dev, test, 0)

@@ -52,21 +52,21 @@ class RunRecord:
     devices: list[str] = UNSET  # model.device_map: the devices the model was spread over
     probe: dict[str, Any] = UNSET  # linear probing: the probe's fit
     # What it measured.
-    metric: str = UNSET  # what the *_accuracy fields hold: accuracy, or F1 for generation tasks
+    metric: str = UNSET  # the task's main metric: accuracy, or f1 for generation tasks (names the *_score keys)
     reason: str | None = UNSET  # why it ended as it did (divergence rule, signal, error), or None
     steps: int = UNSET
     best_step: int = UNSET
     initial_dev_loss: float | None = UNSET
-    initial_dev_accuracy: float | None = UNSET
+    initial_dev_score: float | None = UNSET  # written as initial_dev_<metric>, as are dev_ and test_score
     dev_loss: float | None = UNSET
-    dev_accuracy: float | None = UNSET
+    dev_score: float | None = UNSET
     forward_passes: int = UNSET
     device: dict[str, Any] = UNSET
     peak_mem_mb: float = UNSET
     dev_metrics: dict[str, float] = field(default_factory=dict)  # written as dev_<name>: f1, em
     signal: str | None = UNSET  # interrupted: the signal that stopped it
     test_loss: float = UNSET
-    test_accuracy: float = UNSET
+    test_score: float = UNSET
     test_metrics: dict[str, float] = field(default_factory=dict)  # written as test_<name>
     # Provenance, written last.
     wall_time_s: float = UNSET
@@ -81,6 +81,14 @@ class RunRecord:
             value = getattr(self, f.name)
             if f.name in ("dev_metrics", "test_metrics"):
                 out.update({f"{f.name.split('_')[0]}_{k}": v for k, v in value.items()})
+            elif value is not UNSET and f.name.endswith("_score"):
+                out[f.name.removesuffix("score") + (self.metric if self.metric is not UNSET else "accuracy")] = value
             elif value is not UNSET:
                 out[f.name] = value
         return out
+
+
+def main_score(record: dict[str, Any], split: str) -> Any:
+    """A ``result.json``'s main metric for ``split`` (``dev``, ``test`` or ``initial_dev``): ``<split>_<metric>``,
+    accuracy unless the record names another metric (F1 for generation tasks); None when absent."""
+    return record.get(f"{split}_{record.get('metric') or 'accuracy'}")

@@ -441,7 +441,7 @@ def _execute(
         tags.append(f"experiment:{s.experiment}")
     if d.is_main:
         tracker = Tracker(run_dir, s.wandb, f"{s.method}-{s.task.name}-s{s.seed}", s.raw, tags,
-                          resume=resume["tracker"] if resume else None)
+                          resume=resume["tracker"] if resume else None, metric=s.task.metric)
     else:
         tracker = SilentTracker(resume=resume["tracker"] if resume else None)
     try:
@@ -468,21 +468,21 @@ def _execute(
     record.metric, record.status, record.reason = s.task.metric, outcome.status, outcome.reason
     record.steps, record.best_step, record.forward_passes = outcome.steps, outcome.best_step, outcome.forward_passes
     if outcome.best_dev.n:
-        record.initial_dev_loss, record.initial_dev_accuracy = outcome.initial_dev.loss, outcome.initial_dev.accuracy
-        record.dev_loss, record.dev_accuracy = outcome.best_dev.loss, outcome.best_dev.accuracy
+        record.initial_dev_loss, record.initial_dev_score = outcome.initial_dev.loss, outcome.initial_dev.score
+        record.dev_loss, record.dev_score = outcome.best_dev.loss, outcome.best_dev.score
     else:  # no dev set (training-free, without a train split): null, not NaN
-        record.initial_dev_loss = record.initial_dev_accuracy = record.dev_loss = record.dev_accuracy = None
+        record.initial_dev_loss = record.initial_dev_score = record.dev_loss = record.dev_score = None
     record.device, record.peak_mem_mb = device_info(device), round(peak_memory_mb(device), 1)
     record.dev_metrics = dict(outcome.best_dev.metrics)  # f1, em
     if outcome.status == "interrupted":
         record.signal = signals.requested
         log.warning("interrupted (%s); checkpoint in %s: the same command resumes it", outcome.reason, run_dir)
         return tracker
-    record.test_loss, record.test_accuracy = outcome.test.loss, outcome.test.accuracy
+    record.test_loss, record.test_score = outcome.test.loss, outcome.test.score
     record.test_metrics = dict(outcome.test.metrics)
     log.info(
-        "%s after %d steps (best dev step %d): dev accuracy %.4f -> %.4f, test accuracy %.4f; results in %s",
-        outcome.status, outcome.steps, outcome.best_step, outcome.initial_dev.accuracy,
-        outcome.best_dev.accuracy, outcome.test.accuracy, run_dir,
+        "%s after %d steps (best dev step %d): dev %s %.4f -> %.4f, test %s %.4f; results in %s",
+        outcome.status, outcome.steps, outcome.best_step, s.task.metric, outcome.initial_dev.score,
+        outcome.best_dev.score, s.task.metric, outcome.test.score, run_dir,
     )
     return tracker

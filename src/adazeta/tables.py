@@ -23,6 +23,7 @@ from typing import Any, Iterable
 import pandas as pd
 
 from adazeta.errors import ConfigError
+from adazeta.record import main_score
 from adazeta.rundir import flatten, result_settings
 
 # Keys that say which run it is (seeds) or how it is labelled, not which hyper-parameters were used; paths,
@@ -64,9 +65,9 @@ def load_results(paths: Iterable[Path]) -> pd.DataFrame:
                     "seed": record.get("seed"),
                     "data_seed": flat.get("data.kshot_seed", flat.get("data.seed")),
                     "status": record.get("status"),
-                    "dev": record.get("dev_accuracy"),
+                    "dev": main_score(record, "dev"),
                     "dev_loss": record.get("dev_loss"),
-                    "test": record.get("test_accuracy"),
+                    "test": main_score(record, "test"),
                     "peak_mem_mb": record.get("peak_mem_mb"),
                     "forward_passes": record.get("forward_passes"),
                     "setting": setting_id(setting),

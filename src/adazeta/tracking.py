@@ -27,7 +27,12 @@ log = logging.getLogger("adazeta")
 # param_norm: L2 norm of the trainable set after the step. Under ZO-SGD it climbs as a random walk (each step
 # adds lr * g * z, ||z|| ~ sqrt(d)); its growth is the early sign of the drift that ends in a collapse.
 STEP_COLUMNS = ["step", "epoch", "loss", "n_queries", "forward_passes", "lr", "step_time_s", "peak_mem_mb", "param_norm"]
-EVAL_COLUMNS = ["step", "split", "loss", "accuracy", "tied"]
+def eval_columns(metric: str = "accuracy") -> list[str]:
+    """eval.csv's columns: the score column is named by the task's main metric (accuracy, or f1)."""
+    return ["step", "split", "loss", metric, "tied"]
+
+
+EVAL_COLUMNS = eval_columns()  # a classification task's
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 
@@ -300,11 +305,11 @@ class Tracker:
     """
 
     def __init__(self, run_dir: Path, cfg: WandbConfig, run_name: str, config: dict[str, Any], tags: list[str],
-                 resume: dict[str, Any] | None = None):
-        self.run_dir = run_dir
+                 resume: dict[str, Any] | None = None, metric: str = "accuracy"):
+        self.run_dir, self.metric = run_dir, metric
         run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = CsvSink(run_dir / "metrics.csv", STEP_COLUMNS, resume and resume["metrics_rows"])
-        self.evals = CsvSink(run_dir / "eval.csv", EVAL_COLUMNS, resume and resume["eval_rows"])
+        self.evals = CsvSink(run_dir / "eval.csv", eval_columns(metric), resume and resume["eval_rows"])
         self.wandb = None
         self.last_step = resume["last_step"] if resume else 0
         mode = cfg.mode
@@ -348,10 +353,11 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=row["step"])
 
-    def log_eval(self, step: int, split: str, loss: float, accuracy: float, tied: float = 0.0) -> None:
-        self.evals.write({"step": step, "split": split, "loss": loss, "accuracy": accuracy, "tied": tied})
+    def log_eval(self, step: int, split: str, loss: float, score: float, tied: float = 0.0) -> None:
+        """One evaluation: loss, the task's main metric (``score``: accuracy, or F1) and the tied fraction."""
+        self.evals.write({"step": step, "split": split, "loss": loss, self.metric: score, "tied": tied})
         if self.wandb is not None:
-            values = {f"{split}/loss": loss, f"{split}/accuracy": accuracy, f"{split}/tied": tied}
+            values = {f"{split}/loss": loss, f"{split}/{self.metric}": score, f"{split}/tied": tied}
             if split == "test":
                 # The test state is the best-dev step's, usually before the last logged step, and wandb drops any
                 # step below its last: log at the last step (the chart's end point) and keep the best step beside.
@@ -389,7 +395,7 @@ class SilentTracker(Tracker):
     def log_step(self, row: dict[str, Any]) -> None:
         self.last_step = max(self.last_step, row["step"])
 
-    def log_eval(self, step: int, split: str, loss: float, accuracy: float, tied: float = 0.0) -> None:
+    def log_eval(self, step: int, split: str, loss: float, score: float, tied: float = 0.0) -> None:
         self.last_step = max(self.last_step, step)
 
     def close(self, failed: bool = False) -> None:

@@ -192,7 +192,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
     def dev_eval(step: int) -> EvalResult:
         result = evaluate(scorer, splits.dev, obj.dev_generation, desc=f"dev@{step}")
         if result.n:  # a training-free run without a train split has no dev set
-            tracker.log_eval(step, "dev", result.loss, result.accuracy, result.tied)
+            tracker.log_eval(step, "dev", result.loss, result.score, result.tied)
         return result
 
     resume = ckpt.resume
@@ -201,11 +201,11 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
         reason = monitor.update(initial.loss, initial.tied) if initial.n else None
         if reason is not None:  # e.g. an adapter init that already overflows: nothing to train from
             test = evaluate(scorer, splits.test, obj.test_generation, desc="test")
-            tracker.log_eval(0, "test", test.loss, test.accuracy, test.tied)
+            tracker.log_eval(0, "test", test.loss, test.score, test.tied)
             return Outcome("diverged", reason, 0, 0, initial, initial, test, 0)
         best_step, best_state = 0, (trainable_state(model) if cfg.keep_best and optimizer else None)
     else:
-        initial, best = EvalResult(**resume["initial"]), EvalResult(**resume["best"])
+        initial, best = EvalResult.restore(resume["initial"]), EvalResult.restore(resume["best"])
         best_step, best_state = resume["best_step"], resume["best_state"]
         monitor.load_state_dict(resume["monitor"])
     status, reason, step, forward_passes = "finished", None, 0, 0
@@ -244,7 +244,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
                                           broadcast_buffers=False)
         progress = Progress(max_steps, initial=first_step - 1, budget=budget, initial_forwards=forward_passes)
         if resume is not None:
-            progress.evaluated(best_step, best.accuracy)
+            progress.evaluated(best_step, best.score)
         for step in range(first_step, max_steps + 1):
             epoch, slot = divmod(step - 1, per_epoch)
             if slot == 0 and step > 1:
@@ -298,7 +298,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
             if reason is None and (due or step == max_steps or out_of_budget):
                 last_eval_forwards = forward_passes
                 result = dev_eval(step)
-                progress.evaluated(step, result.accuracy)
+                progress.evaluated(step, result.score)
                 # A collapsed model's loss (exactly ln #candidates) can be below a high start: never keep it.
                 if result.loss < best.loss and not monitor.collapsed(result.tied):
                     best, best_step = result, step
@@ -326,7 +326,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
             best_step = step
 
     test = evaluate(scorer, splits.test, obj.test_generation, desc="test")
-    tracker.log_eval(best_step, "test", test.loss, test.accuracy, test.tied)
+    tracker.log_eval(best_step, "test", test.loss, test.score, test.tied)
     return Outcome(status, reason, step, best_step, initial, best, test, forward_passes)
 
 

@@ -4,7 +4,7 @@
 - ``lm``: the language-model loss on the gold candidate's tokens; accuracy still picks the best candidate
   (COPA, ReCoRD: MeZO trains them "not as classification");
 - ``generation``: the LM loss on the gold answer for training and dev loss; greedy generation scored by F1
-  (reported in the ``accuracy`` column, the task's main metric) and exact match (SQuAD, DROP). With
+  (the task's main metric: the ``f1`` column of eval.csv, ``dev_f1`` / ``test_f1`` in result.json) and exact match (SQuAD, DROP). With
   ``task.f1_objective`` a zeroth-order method minimises -F1 of the generation instead.
 """
 
