@@ -25,6 +25,8 @@ def test_log_lines_carry_step_loss_queries_forwards_dev_accuracy_and_eta(monkeyp
     assert lines[0].startswith("step 1/4  loss 0.6931  Q 1  fwd 2  eta ")
     assert lines[1].startswith("step 2/4  loss 0.6100  Q 4  fwd 10  dev_acc 0.625@2  eta ")
     assert progress.bar is None
+    progress.evaluated(4, 0.5, "f1")  # a generation task's score is F1, and says so
+    assert "dev_f1" in progress.fields(4, 0.6, 1, 12) and "dev_acc" not in progress.fields(4, 0.6, 1, 12)
 
 
 def test_log_lines_are_spaced_in_time(monkeypatch, caplog):

@@ -209,11 +209,12 @@ class Progress:
         self.bar = (tqdm(total=bar_total, initial=bar_initial, desc=desc, dynamic_ncols=True,
                          unit="fwd" if budget is not None else "it")
                     if show_progress() else None)
-        self.dev: tuple[int, float] | None = None
+        self.dev: tuple[int, float, str] | None = None
         self.started = self.last_line = time.monotonic()
 
-    def evaluated(self, step: int, accuracy: float) -> None:
-        self.dev = (step, accuracy)
+    def evaluated(self, step: int, score: float, metric: str = "accuracy") -> None:
+        """The last dev evaluation: its step and score (accuracy, or F1 for generation tasks)."""
+        self.dev = (step, score, metric)
 
     def eta(self, step: int, forward_passes: int) -> float:
         """Seconds left at the rate so far: to the step limit, or to the forward budget if that comes first."""
@@ -230,7 +231,7 @@ class Progress:
         fwd = str(forward_passes) if self.budget is None else f"{forward_passes}/{self.budget}"
         out = {"loss": f"{loss:.4f}", "Q": str(n_queries), "fwd": fwd}
         if self.dev is not None:
-            out["dev_acc"] = f"{self.dev[1]:.3f}@{self.dev[0]}"
+            out["dev_acc" if self.dev[2] == "accuracy" else f"dev_{self.dev[2]}"] = f"{self.dev[1]:.3f}@{self.dev[0]}"
         out["eta"] = _duration(eta) if eta == eta else "?"
         return out
 

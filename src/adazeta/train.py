@@ -244,7 +244,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
                                           broadcast_buffers=False)
         progress = Progress(max_steps, initial=first_step - 1, budget=budget, initial_forwards=forward_passes)
         if resume is not None:
-            progress.evaluated(best_step, best.score)
+            progress.evaluated(best_step, best.score, best.metric)
         for step in range(first_step, max_steps + 1):
             epoch, slot = divmod(step - 1, per_epoch)
             if slot == 0 and step > 1:
@@ -298,7 +298,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
             if reason is None and (due or step == max_steps or out_of_budget):
                 last_eval_forwards = forward_passes
                 result = dev_eval(step)
-                progress.evaluated(step, result.score)
+                progress.evaluated(step, result.score, result.metric)
                 # A collapsed model's loss (exactly ln #candidates) can be below a high start: never keep it.
                 if result.loss < best.loss and not monitor.collapsed(result.tied):
                     best, best_step = result, step
