@@ -3,6 +3,10 @@
     adazeta-run method=adazeta task=rte            # one run
     adazeta-run -m method=adazeta,mezo seed=0,1    # a sweep (Hydra multirun)
     adazeta-run --help                             # every config group and its options
+
+The overrides are checked before anything heavy is imported, so that a mistake is reported in a second: the
+runner (``adazeta.run``: torch, transformers) and ``adazeta.distributed`` (torch) are imported inside the
+functions that run, the one place this package imports late on purpose.
 """
 
 from __future__ import annotations
@@ -21,17 +25,8 @@ from omegaconf import DictConfig
 
 from adazeta.errors import ConfigError
 from adazeta.overrides import check
+from adazeta.paths import CONFIG_ENV, config_dir  # noqa: F401  (CONFIG_ENV re-exported)
 from adazeta.record import main_score
-
-CONFIG_ENV = "ADAZETA_CONFIG_DIR"
-
-
-def config_dir() -> str:
-    """The ``conf/`` tree: $ADAZETA_CONFIG_DIR, else the one beside ``src/`` in this checkout."""
-    if os.environ.get(CONFIG_ENV):
-        return str(Path(os.environ[CONFIG_ENV]).resolve())
-    return str(Path(__file__).resolve().parents[2] / "conf")
-
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def _main(cfg: DictConfig) -> float | None:

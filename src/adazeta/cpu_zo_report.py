@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from adazeta.cli import config_dir
+from adazeta.paths import config_dir
 from adazeta.experiment import UNDECIDED, Job, chosen_lr, grid
 
 MISSING = "—"

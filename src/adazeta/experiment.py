@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from adazeta.cli import config_dir
+from adazeta.paths import config_dir
 from adazeta.offline import use_shared
 from adazeta.record import main_score
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from adazeta.cli import config_dir
+from adazeta.paths import config_dir
 from adazeta.errors import ConfigError
 from adazeta.tables import build_table, load_paper_numbers, load_results, select_on_dev, to_latex, to_markdown
 

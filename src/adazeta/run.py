@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -39,6 +40,7 @@ from adazeta.models import (
 )
 from adazeta.optim import OPTIMIZERS
 from adazeta.optim.zo_sgd import ZOSGDConfig
+from adazeta.paths import config_dir
 from adazeta.probe import linear_probe
 from adazeta.record import RunRecord
 from adazeta.results import device_info, git_state, package_versions, read_result, write_result
@@ -64,10 +66,6 @@ log = logging.getLogger("adazeta")
 
 def compose_settings(overrides: list[str]) -> Settings:
     """The settings ``adazeta-run <overrides>`` would run, for the tools that use the runner's wiring."""
-    from hydra import compose, initialize_config_dir
-
-    from adazeta.cli import config_dir
-
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         return parse(compose(config_name="config", overrides=overrides))
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from adazeta.cli import config_dir
+from adazeta.paths import config_dir
 
 
 def commands(name: str, extra: list[str]) -> list[list[str]]:
