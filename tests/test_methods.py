@@ -117,8 +117,7 @@ def test_training_lowers_the_loss_and_leaves_frozen_weights_bitwise_unchanged(me
         loss_before = float(batch_loss(model.eval(), batch, "causal"))
     for _ in range(10 if method in ZO_METHODS else 3):
         if method in ZO_METHODS:
-            optimizer.n_queries = 2
-            optimizer.step(lambda: batch_loss(model, batch, "causal"))
+            optimizer.step(lambda: batch_loss(model, batch, "causal"), n_queries=2)
         else:
             first_order_step(Scorer.of(model, tok), optimizer, items)
     with torch.no_grad():

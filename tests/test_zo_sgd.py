@@ -283,20 +283,29 @@ def test_config_errors_name_the_field() -> None:
         OPTIMIZERS.config("adamw", {"betas": [0.9, 1.5]})
 
 
-def test_a_bad_query_count_set_by_the_loop_fails_at_step() -> None:
+def test_a_bad_query_count_from_the_loop_fails_at_step() -> None:
     w = nn.Parameter(torch.zeros(2))
     opt = ZOSGD([w])
-    opt.n_queries = 0
     with pytest.raises(ConfigError, match="n_queries=0"):
-        opt.step(lambda: w.sum())
+        opt.step(lambda: w.sum(), n_queries=0)
 
 
 def test_adamw_builder_decays_weights_only_and_is_first_order() -> None:
     named = list(small_net().named_parameters())
     opt = OPTIMIZERS.get("adamw").builder(named, OPTIMIZERS.config("adamw", {"weight_decay": 0.1}), seed=0)
     assert isinstance(opt, torch.optim.AdamW)
-    assert not getattr(opt, "zeroth_order", False)
+    assert opt.zeroth_order is False
     decays = {n: g["weight_decay"] for g in opt.param_groups for n in g["param_names"]}
     assert decays == {
         "up.weight": 0.1, "up.bias": 0.0, "norm.weight": 0.0, "norm.bias": 0.0, "down.weight": 0.1, "down.bias": 0.0
     }
+
+
+def test_an_optimizer_must_declare_its_side_of_the_loops_contract() -> None:
+    from adazeta.optim import check_contract, zeroth_order
+
+    w = nn.Parameter(torch.zeros(2))
+    with pytest.raises(ConfigError, match="'sgd' built a SGD without a bool `zeroth_order`"):
+        check_contract("sgd", torch.optim.SGD([w], lr=0.1))
+    assert zeroth_order(check_contract("zo_sgd", ZOSGD([w]))) is True
+    assert zeroth_order(None) is False

@@ -233,13 +233,10 @@ def setup_for(args: argparse.Namespace, method: str = "adazeta", extra: Sequence
     return Setup(built, s, items, dev_items)
 
 
-def zo_optimizer(args: argparse.Namespace, setup: Setup, batched: bool, chunk: int | str, n_queries: int
-                 ) -> torch.optim.Optimizer:
+def zo_optimizer(args: argparse.Namespace, setup: Setup, batched: bool, chunk: int | str) -> torch.optim.Optimizer:
     """Another AdaZeta optimizer over ``setup``'s adapters, from the settings of its variant: the rounds time
     several side by side on one model (a build makes one optimizer per model)."""
-    opt = build_optimizer(settings_for(args, "adazeta", extra=zo_variant(batched, chunk)), setup.built.named)
-    opt.n_queries = n_queries
-    return opt
+    return build_optimizer(settings_for(args, "adazeta", extra=zo_variant(batched, chunk)), setup.built.named)
 
 
 def first_order_optimizer(args: argparse.Namespace, setup: Setup) -> torch.optim.Optimizer:
@@ -391,13 +388,14 @@ def measure_speed(args: argparse.Namespace, report: Report) -> dict[str, Any]:
 
     closure = ReplicaClosure(model, functools.partial(replica_losses, model, batch, "causal"), batch)
     for q in args.queries:
-        opts = {"sequential": zo_optimizer(args, setup, False, 1, q)}
+        opts = {"sequential": zo_optimizer(args, setup, False, 1)}
         n_forwards = 2 * q if opts["sequential"].estimator == "central" else q + 1
         for chunk in args.chunks:  # chunks at or above the step's loss evaluations all run the same forwards
-            opts[f"batched (chunk {chunk})"] = zo_optimizer(args, setup, True, chunk, q)
+            opts[f"batched (chunk {chunk})"] = zo_optimizer(args, setup, True, chunk)
         # The step's own number of plain loss forwards (no autograd, as the step runs them), in the same rounds.
         runs = {"forwards": torch.no_grad()(lambda: [float(closure()) for _ in range(n_forwards)])}
-        runs.update({f"Q={q}, {m}": functools.partial(lambda o: float(o.step(closure)), o) for m, o in opts.items()})
+        runs.update({f"Q={q}, {m}": functools.partial(lambda o, q: float(o.step(closure, n_queries=q)), o, q)
+                     for m, o in opts.items()})
         stats = timed(runs, device, r, w)
         forwards = stats.pop("forwards")
         report.add("zo_step", "loss forward (TT adapters)", f"in the Q={q} rounds", forwards.scaled(1 / n_forwards), "s")
@@ -434,10 +432,9 @@ def measure_methods(args: argparse.Namespace, report: Report, plain: LoadedModel
     for method in args.methods:
         setup = setup_for(args, method, plain=plain)
         model, opt = setup.model, setup.built.optimizer
-        opt.n_queries = 1
         loss = functools.partial(batch_loss, model, batch, "causal")
         runs = {"forwards": torch.no_grad()(lambda: [float(loss()) for _ in range(2)]),
-                "step": lambda: float(opt.step(loss))}
+                "step": lambda: float(opt.step(loss, n_queries=1))}
         stats = timed(runs, device, args.repeats, args.warmup)
         setting = f"{method} ({setup.built.trainable_params:,} trainable), Q=1, sequential"
         report.add("methods", "ZO step per query", setting, stats["step"], "s")
@@ -450,7 +447,7 @@ def measure_methods(args: argparse.Namespace, report: Report, plain: LoadedModel
 def measure_scaling(args: argparse.Namespace, report: Report, setup: Setup) -> None:
     """AdaZeta's step (Q = 1, sequential) and its 2 forwards against batch size and prompt length (SST-2, RTE)."""
     model, device, tok = setup.model, setup.device, setup.tokenizer
-    opt = zo_optimizer(args, setup, False, 1, 1)
+    opt = zo_optimizer(args, setup, False, 1)
     for task in ("sst2", "rte"):
         pool = bench_items(args, setup.settings, tok, task, max(args.scaling_sizes))
         for size in args.scaling_sizes:
@@ -458,7 +455,7 @@ def measure_scaling(args: argparse.Namespace, report: Report, setup: Setup) -> N
             batch = collate(items, "causal", tok.pad_token_id).to(device)
             loss = functools.partial(batch_loss, model, batch, "causal")
             runs = {"forwards": torch.no_grad()(lambda: [float(loss()) for _ in range(2)]),
-                    "step": lambda: float(opt.step(loss))}
+                    "step": lambda: float(opt.step(loss, n_queries=1))}
             stats = timed(runs, device, min(args.repeats, 3), min(args.warmup, 1))
             tokens = sum(len(e.prompt) for e in items)
             setting = f"{task}, batch {size}, {tokens} prompt tokens"
@@ -493,11 +490,9 @@ def memory_phase(args: argparse.Namespace) -> dict[str, Any]:
             with torch.inference_mode():
                 float(batch_loss(model, batch, "causal"))
     elif phase in ("adazeta", "adazeta_batched"):
-        opt.n_queries = args.memory_queries
-        run = lambda: float(opt.step(closure))  # noqa: E731
+        run = lambda: float(opt.step(closure, n_queries=args.memory_queries))  # noqa: E731
     elif phase == "method":  # Q = 1, sequential
-        opt.n_queries = 1
-        run = lambda: float(opt.step(functools.partial(batch_loss, model, batch, "causal")))  # noqa: E731
+        run = lambda: float(opt.step(functools.partial(batch_loss, model, batch, "causal"), n_queries=1))  # noqa: E731
     else:
         run = lambda: float(first_order_step(model, opt, batch))  # noqa: E731
     gc.collect()

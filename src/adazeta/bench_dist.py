@@ -35,7 +35,7 @@ def worker(queries: int, steps: int, out: Path, overrides: list[str]) -> None:
     import torch.distributed as dist
 
     from adazeta import distributed
-    from adazeta.optim import zo_sgd
+    from adazeta.optim import zeroth_order, zo_sgd
     from adazeta.optim.batched import ReplicaClosure
     from adazeta.run import build, compose_settings, seed_everything
 
@@ -43,7 +43,7 @@ def worker(queries: int, steps: int, out: Path, overrides: list[str]) -> None:
     d = distributed.init(s.distributed)
     seed_everything(s.seed)
     b = build(s)
-    if not getattr(b.optimizer, "zeroth_order", False):
+    if not zeroth_order(b.optimizer):
         raise SystemExit(f"bench_dist measures ZO steps; method {s.method!r} is first-order")
     spread = distributed.Spread(d.rank, d.world_size, s.distributed.mode) if d.enabled else None
     items = b.enc["train"][: s.train.batch_size]

@@ -74,6 +74,7 @@ def worker(method: str, args: argparse.Namespace) -> dict:
     its own process."""
     import torch
 
+    from adazeta.optim import zeroth_order
     from adazeta.run import build, compose_settings, seed_everything
     from adazeta.train import first_order_step
 
@@ -95,14 +96,14 @@ def worker(method: str, args: argparse.Namespace) -> dict:
     trainable = built.trainable_params
     items = built.enc["train"][: args.batch_size]
     batch = scorer.collate(items)
-    zeroth_order = getattr(optimizer, "zeroth_order", False)
+    zo = zeroth_order(optimizer)
     del built
 
     def step() -> None:
         if optimizer is None:
             with torch.inference_mode():
                 float(scorer.loss(batch))
-        elif zeroth_order:
+        elif zo:
             float(optimizer.step(lambda: scorer.loss(batch)))
         else:
             float(first_order_step(scorer, optimizer, items))

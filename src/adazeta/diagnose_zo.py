@@ -113,8 +113,7 @@ def main() -> None:
             batch = scorer.collate(chosen)
             before = [p.detach().clone() for p in params]
             q = b.schedule(epoch)
-            b.optimizer.n_queries = q
-            loss = b.optimizer.step(ReplicaClosure(model, lambda n, bt=batch: scorer.replica_losses(bt, n)))
+            loss = b.optimizer.step(ReplicaClosure(model, lambda n, bt=batch: scorer.replica_losses(bt, n)), n_queries=q)
             update = math.sqrt(sum(float((p.detach() - o).double().pow(2).sum()) for p, o in zip(params, before)))
             row = dict(step=step, loss=float(loss), n_queries=q, forward_passes=b.optimizer.forward_passes,
                        param_norm=norm(), update_norm=update)

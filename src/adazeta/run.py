@@ -38,8 +38,8 @@ from adazeta.models import (
     load_model,
     resolve_source,
 )
-from adazeta.optim import OPTIMIZERS
-from adazeta.optim.zo_sgd import ZOSGDConfig
+from adazeta.optim import OPTIMIZERS, check_contract, zeroth_order
+from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 from adazeta.paths import config_dir
 from adazeta.probe import linear_probe
 from adazeta.record import RunRecord
@@ -191,7 +191,7 @@ def build_optimizer(s: Settings, named: list[tuple[str, torch.Tensor]]) -> torch
         return None
     if not named:
         raise ConfigError(f"method {s.method!r} has an optimizer but nothing to train")
-    return OPTIMIZERS.get(s.optimizer.kind).builder(named, s.optimizer.config, s.seed)
+    return check_contract(s.optimizer.kind, OPTIMIZERS.get(s.optimizer.kind).builder(named, s.optimizer.config, s.seed))
 
 
 def run_length(s: Settings, num_train: int) -> RunLength:
@@ -420,14 +420,14 @@ def _execute(
                         "reference limits)", split, n, len(enc[split]), s.model.max_length)
     if b.schedule_epochs is not None:
         record.schedule_epochs = b.schedule_epochs
-    if optimizer is not None and getattr(optimizer, "zeroth_order", False):
+    if zeroth_order(optimizer):
         record.mean_queries = mean_queries(schedule, b.length.steps_per_epoch, b.length.planned_steps)
-        record.zo = {k: getattr(optimizer, k, None) for k in ("estimator", "batched_queries", "query_chunk")}
-        if getattr(optimizer, "batched_queries", False):  # every trainable parameter must sit in a module that runs replicas
+    if isinstance(optimizer, ZOSGD):
+        record.zo = {k: getattr(optimizer, k) for k in ("estimator", "batched_queries", "query_chunk")}
+        if optimizer.batched_queries:  # every trainable parameter must sit in a module that runs replicas
             replica_sites(model, [p for _, p in named])
     record.scoring_layout = "packed" if family == "causal" and packing_supported(model) else "rows"
-    zeroth_order = getattr(optimizer, "zeroth_order", False)
-    for key, value in distributed.describe(d, s.distributed.mode, zeroth_order).items():
+    for key, value in distributed.describe(d, s.distributed.mode, zeroth_order(optimizer)).items():
         setattr(record, key, value)  # world_size, parallel, backend
     if s.model.device_map:  # which devices accelerate spread the model over
         record.devices = sorted(set(device_map_of(b.loaded.model).values())) or [str(device)]

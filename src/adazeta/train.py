@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from adazeta.distributed import Spread, all_sum_, any_rank
 from adazeta.errors import ConfigError
 from adazeta.evaluate import EvalResult, evaluate
+from adazeta.optim import zeroth_order
 from adazeta.optim.batched import ReplicaClosure
 from adazeta.scoring import Batch, Encoded, Scorer
 from adazeta.tasks.objectives import gold_only
@@ -183,7 +184,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
     model, device, obj = scorer.model, scorer.device, scorer.objective
     tracker, monitor, spread, length = loop.tracker, loop.monitor, loop.spread, loop.length
     ckpt = loop.checkpoints or Checkpoints(save=lambda state: None)
-    if obj.zo_loss is not None and optimizer is not None and not getattr(optimizer, "zeroth_order", False):
+    if obj.zo_loss is not None and optimizer is not None and not zeroth_order(optimizer):
         raise ConfigError(
             "task.f1_objective=true trains on the F1 of generated answers, which has no gradient: "
             "use a zeroth-order method, or set task.f1_objective=false"
@@ -211,7 +212,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
     status, reason, step, forward_passes = "finished", None, 0, 0
 
     if optimizer is not None:
-        zeroth_order = getattr(optimizer, "zeroth_order", False)
+        zo = zeroth_order(optimizer)
         if length is None:
             length = RunLength(steps_per_epoch(len(splits.train), cfg.batch_size), cfg.max_steps,
                                cfg.max_forward_passes, 0.0)
@@ -239,7 +240,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
             })
 
         ddp = None
-        if spread is not None and not zeroth_order:  # gradients averaged over the ranks' shards
+        if spread is not None and not zo:  # gradients averaged over the ranks' shards
             ddp = DistributedDataParallel(LossModule(scorer), device_ids=[device.index] if device.type == "cuda" else None,
                                           broadcast_buffers=False)
         progress = Progress(max_steps, initial=first_step - 1, budget=budget, initial_forwards=forward_passes)
@@ -253,7 +254,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
             if obj.trains_on_gold_only:
                 chosen = gold_only(chosen)
             start = time.perf_counter()
-            if zeroth_order:
+            if zo:
                 n_queries = loop.schedule(epoch)
                 plan = spread.plan(n_queries, len(chosen)) if spread is not None else None
                 mine = plan.items(chosen) if plan is not None else chosen  # this rank's shard (all: one process)

@@ -7,13 +7,33 @@ A builder registered in ``OPTIMIZERS`` takes ``(named_params, cfg, seed)`` where
   returns the minibatch loss without calling backward and Q is the step's query count from the schedule (several
   processes: also ``plan=``, a ``distributed.StepPlan``); it returns the loss to log and counts
   ``forward_passes``;
-- first-order: ``zeroth_order`` False or absent; the loop runs backward, then ``step()`` (which clips, if the
-  optimizer clips: ``first_order.AdamW``).
+- first-order: ``zeroth_order = False``; the loop runs backward, then ``step()`` (which clips, if the optimizer
+  clips: ``first_order.AdamW``).
+
+Every optimizer a builder returns declares ``zeroth_order`` (``check_contract``, called when a run builds it).
 """
 
+from typing import Any
+
+from adazeta.errors import ConfigError
 from adazeta.registry import Registry
 
 OPTIMIZERS: Registry = Registry("optimizer")
+
+
+def check_contract(kind: str, optimizer: Any) -> Any:
+    """``optimizer`` (built by ``kind``'s builder) if it declares which side of the loop's contract it takes."""
+    if not isinstance(getattr(optimizer, "zeroth_order", None), bool):  # the one place the attribute may lack
+        raise ConfigError(
+            f"optimizer {kind!r} built a {type(optimizer).__name__} without a bool `zeroth_order` attribute: declare "
+            "zeroth_order = True (step(closure, n_queries=Q)) or False (backward, then step()) on its class"
+        )
+    return optimizer
+
+
+def zeroth_order(optimizer: Any) -> bool:
+    """Whether the training loop treats ``optimizer`` as zeroth-order; None (a method that trains nothing): no."""
+    return optimizer is not None and optimizer.zeroth_order
 
 # Importing every module of this package registers the built-in optimizers: a new optimizer is one new file here.
 import importlib as _importlib  # noqa: E402
