@@ -422,7 +422,37 @@ def measure_speed(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     stats = timed(evals, device, r, min(w, 1))
     for name, t in stats.items():
         report.add("evaluation", "evaluation throughput", name, Stats.of([n / x for x in t.samples]), "examples/s")
+    measure_eval_ceiling(report, model, eval_sets, stats, device, r)
     return info
+
+
+def layer_flops_per_token(model: torch.nn.Module) -> float:
+    """2 x the decoder layers' weights: the multiply-adds of one token through them (attention scores aside)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = base.get_decoder().layers
+    return 2.0 * sum(p.numel() for layer in layers for p in layer.parameters() if p.dim() == 2)
+
+
+def measure_eval_ceiling(report: Report, model: torch.nn.Module, eval_sets: dict[str, list], stats: dict[str, Stats],
+                         device: torch.device, repeats: int) -> None:
+    """How close each evaluation layout runs to this device's dense-matmul rate, and so what the batched/one-at-
+    a-time throughput ratio can reach: batched evaluation near the matmul rate cannot speed up by packing."""
+    per_token = layer_flops_per_token(model)
+    hidden = model.config.hidden_size
+    inter = getattr(model.config, "intermediate_size", 4 * hidden)
+    first = next(iter(eval_sets.values()))
+    rows = max(int(first[0].input_ids.numel()), 1) if first else 512  # the batched layout's tokens per forward
+    a = torch.randn(rows, hidden, device=device)
+    b = torch.randn(hidden, inter, device=device)
+    gemm = timed({"mm": lambda: float(torch.mm(a, b).sum())}, device, repeats, 1)["mm"]
+    rate = 2.0 * rows * hidden * inter / gemm.median / 1e9
+    report.add("evaluation", "dense matmul rate", f"({rows} x {hidden}) @ ({hidden} x {inter})", rate, "GFLOP/s")
+    for name, batches in eval_sets.items():
+        tokens = sum(int(x.attention_mask.sum()) if x.attention_mask.dim() == 2 else int(x.input_ids.numel())
+                     for x in batches)
+        achieved = per_token * tokens / stats[name].median / 1e9
+        report.add("evaluation", "decoder-layer rate", name, achieved, "GFLOP/s")
+        report.add("evaluation", "decoder-layer rate / dense matmul rate", name, achieved / rate, "x")
 
 
 def measure_methods(args: argparse.Namespace, report: Report, plain: LoadedModel, batch: Any) -> None:
