@@ -24,6 +24,10 @@ def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
             assert ("ZO step per query", f"Q={q}, {mode}") in settings
     assert {r["section"] for r in rows} == {"forward", "zo_step", "methods", "scaling", "first_order", "evaluation"}
     assert ("inference forward", bench.REFERENCE_ROW) in settings
+    ceiling = {(r["measurement"], r["setting"].split(" ")[0]) for r in rows if r["section"] == "evaluation"}
+    for layout in ("batched", "one"):  # each layout's rate against the device's dense-matmul rate
+        assert ("decoder-layer rate / dense matmul rate", layout) in ceiling
+    assert any(m == "dense matmul rate" for m, _ in ceiling)
     methods = {r["setting"].split(" ")[0] for r in rows if r["measurement"] == "ZO step / 2Q forwards"}
     assert methods == set(bench.ZO_METHODS)
     for task in ("sst2", "rte"):

@@ -441,7 +441,7 @@ def measure_eval_ceiling(report: Report, model: torch.nn.Module, eval_sets: dict
     hidden = model.config.hidden_size
     inter = getattr(model.config, "intermediate_size", 4 * hidden)
     first = next(iter(eval_sets.values()))
-    rows = max(int(first[0].input_ids.numel()), 1) if first else 512  # the batched layout's tokens per forward
+    rows = max((int(x.input_ids.numel()) for x in first), default=512)  # the batched layout's largest forward
     a = torch.randn(rows, hidden, device=device)
     b = torch.randn(hidden, inter, device=device)
     gemm = timed({"mm": lambda: float(torch.mm(a, b).sum())}, device, repeats, 1)["mm"]

@@ -91,6 +91,8 @@ def worker(queries: int, steps: int, out: Path, overrides: list[str]) -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / f"world{d.world_size}-rank{d.rank}.json").write_text(json.dumps(row))
+    if d.enabled:
+        dist.barrier()  # no rank tears the process group down while another is still in its last collective
     distributed.close()
 
 
