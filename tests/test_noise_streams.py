@@ -131,7 +131,7 @@ def trainable(model):
 def optimizer(model, kind: str, mask: str | None, **kwargs):
     groups = [{"params": trainable(model)[::2], "weight_decay": 0.01},
               {"params": trainable(model)[1::2], "lr": 3e-3, "weight_decay": 0.0}]
-    common = dict(lr=1e-2, eps=1e-2, seed=7, n_queries=3, **kwargs)
+    common = dict(lr=1e-2, eps=1e-2, seed=7, **{"n_queries": 3, **kwargs})
     if mask is not None:
         for g in groups:
             g["weight_decay"] = 0.0
@@ -143,15 +143,16 @@ CASES = [("tt", None), ("lora", None), ("bottleneck", None), ("full", None), ("f
          ("full", "random")]
 
 
+@pytest.mark.parametrize("queries", [3, 1])  # one query and z regenerated: the restore is fused into the update
 @pytest.mark.parametrize("keep", [True, False], ids=["z kept", "z regenerated"])
 @pytest.mark.parametrize("kind,mask", CASES)
-def test_per_tensor_steps_equal_the_per_parameter_implementation_bit_for_bit(kind, mask, keep, monkeypatch):
+def test_per_tensor_steps_equal_the_per_parameter_implementation_bit_for_bit(kind, mask, keep, queries, monkeypatch):
     model, closure = model_and_closure(kind)
     twin = copy.deepcopy(model)
     twin_closure = closure_of(twin, closure)
     monkeypatch.setattr(ZOSGD, "KEEP_DIRECTION_BYTES", 2**30 if keep else 0)
     monkeypatch.setattr(spsa, "CHUNK_BYTES", 4096)  # many chunks, boundaries between and around tensors
-    new, old = optimizer(model, kind, mask), optimizer(twin, kind, mask)
+    new, old = optimizer(model, kind, mask, n_queries=queries), optimizer(twin, kind, mask, n_queries=queries)
     for _ in range(2):
         new.step(closure)
         losses, grads = reference_step(old, twin_closure)
@@ -159,6 +160,36 @@ def test_per_tensor_steps_equal_the_per_parameter_implementation_bit_for_bit(kin
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
     assert any(not torch.equal(a, b) for a, b in zip(trainable(model), trainable(model_and_closure(kind)[0])))
+
+
+@pytest.mark.parametrize("noise", ["per_tensor", "flat"])
+@pytest.mark.parametrize("estimator", ["central", "one_sided"])
+@pytest.mark.parametrize("mask", [None, "magnitude", "random"])
+def test_the_restore_fused_into_the_update_changes_no_number(mask, estimator, noise, monkeypatch):
+    """A full model at Q = 1 undoes its last perturbation in the update's pass (one draw of z fewer): the weights,
+    losses and projected gradients equal those of the separate restoring pass, with weight decay on some groups."""
+    monkeypatch.setattr(ZOSGD, "KEEP_DIRECTION_BYTES", 0)
+    monkeypatch.setattr(spsa, "CHUNK_BYTES", 4096)
+    model, closure = model_and_closure("full")
+    twin = copy.deepcopy(model)
+    twin_closure = closure_of(twin, closure)
+    fused = optimizer(model, "full", mask, n_queries=1, estimator=estimator, noise=noise)
+    apart = optimizer(twin, "full", mask, n_queries=1, estimator=estimator, noise=noise)
+    apart.FUSE_RESTORE = False
+    draws = []
+    real = spsa._draw_chunk
+    monkeypatch.setattr(spsa, "_draw_chunk", lambda *a: draws.append(1) or real(*a))
+    for _ in range(3):
+        before = len(draws)
+        fused.step(closure)
+        fused_draws = len(draws) - before
+        apart.step(twin_closure)
+        passes = 4 if estimator == "central" else 3  # passes over z apart: +eps, -2eps, +eps, update (one-sided: 3)
+        assert fused_draws * passes == (len(draws) - before - fused_draws) * (passes - 1)
+        assert torch.equal(fused.last_losses, apart.last_losses)
+        assert torch.equal(fused.last_projected_grads, apart.last_projected_grads)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("kind", ["tt", "lora", "bottleneck"])

@@ -430,12 +430,17 @@ def zo_update_(
     noise: str = "per_tensor",
     cache: DirectionCache | None = None,
     layout: NoiseLayout | None = None,
+    restore: tuple[int, float] | None = None,
 ) -> None:
     """w <- w - lr * (g + wd * w), g = (1/Q or 1) * sum_q grad_q * z_q, each z_q regenerated from seeds[q].
 
     ``grads`` are 0-dim tensors (or one tensor of Q values) left on the device: the update multiplies the noise
     by them, so no value is read back to the host. ``lr`` is one value or one per parameter (param groups).
     ``cache`` supplies the z it kept instead of drawing them again (the same numbers).
+    ``restore``: (seed, scale) of the estimate's last perturbation, still to undo (``w += scale * z``) before the
+    update. With one query whose z is not kept (a full model), it is undone in the update's own pass over the
+    same z: one draw of z instead of two, and every entry sees the same operations in the same order (restore,
+    decay, step), so the same numbers. Otherwise it is undone first, as a pass of its own.
     """
     n = len(params)
     lrs = [float(lr)] * n if isinstance(lr, (int, float)) else [float(x) for x in lr]
@@ -450,12 +455,19 @@ def zo_update_(
     scale = 1.0 / len(seeds) if reduction == "mean" else 1.0
     coefs = grads * scale  # (Q,) on the device
 
-    # Decay first: w (1 - lr wd) - lr g equals w - lr (g + wd w) because g does not depend on w.
-    for p, p_lr, wd in zip(params, lrs, weight_decays):
-        if wd > 0:
-            p.mul_(1.0 - p_lr * wd)
-
     layout = noise_layout(params, noise, layout)
+    if restore is not None:
+        fused = len(seeds) == 1 and seeds[0] == restore[0] and (cache is None or cache.peek(restore[0]) is None)
+        if not fused:
+            kept = cache.peek(restore[0]) if cache is not None else None
+            perturb_(params, restore[0], restore[1], masks, noise, kept, layout)
+            restore = None
+    if restore is None:
+        # Decay first: w (1 - lr wd) - lr g equals w - lr (g + wd w) because g does not depend on w.
+        for p, p_lr, wd in zip(params, lrs, weight_decays):
+            if wd > 0:
+                p.mul_(1.0 - p_lr * wd)
+
     # Queries outer, parameters inner: each z_q is drawn in the same order as in perturb_, so it is the same z.
     for q, seed in enumerate(seeds):
         kept = cache.peek(seed) if cache is not None else None
@@ -465,6 +477,11 @@ def zo_update_(
         streams, mask_pieces = _Streams(seed), _MaskPieces(layout, masks)
         for chunk in layout.chunks():
             index, views, zs = _draw_chunk(layout, chunk, streams, mask_pieces)
+            if restore is not None:  # the estimate's last perturbation undone with this z, then this chunk's decay
+                torch._foreach_add_(views, zs, alpha=restore[1])
+                for k, i in enumerate(index):
+                    if weight_decays[i] > 0:
+                        views[k].mul_(1.0 - lrs[i] * weight_decays[i])
             _move(index, views, zs, coefs[q], lrs, layout.device, inplace=True)
             del zs
 
