@@ -55,22 +55,25 @@ def kth_smallest_abs(p: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat(members).kthvalue(k - below).values
 
 
+def magnitude_threshold(p: torch.Tensor, density: float) -> torch.Tensor | None:
+    """The |w| at or below which the ``ceil(density * numel)`` smallest entries of ``p`` lie; None: every entry."""
+    k = max(1, int(np.ceil(density * p.numel())))
+    return None if k >= p.numel() else kth_smallest_abs(p, k)
+
+
 @torch.no_grad()
 def magnitude_mask(p: torch.Tensor, density: float) -> torch.Tensor:
     """Boolean mask of the ``ceil(density * numel)`` smallest |w| of ``p`` (ties at the threshold included)."""
-    k = max(1, int(np.ceil(density * p.numel())))
-    if k >= p.numel():
-        return torch.ones_like(p, dtype=torch.bool)
-    return p.detach().abs().float() <= kth_smallest_abs(p, k)
+    threshold = magnitude_threshold(p, density)
+    return torch.ones_like(p, dtype=torch.bool) if threshold is None else p.detach().abs().float() <= threshold
 
 
 @torch.no_grad()
 def packed_magnitude_mask(p: torch.Tensor, density: float) -> PackedMask:
     """``magnitude_mask`` packed as bits, computed a slice at a time (no full-size temporary)."""
-    k = max(1, int(np.ceil(density * p.numel())))
-    if k >= p.numel():
+    threshold = magnitude_threshold(p, density)
+    if threshold is None:
         return PackedMask.pack(torch.ones(p.shape, dtype=torch.bool, device=p.device))
-    threshold = kth_smallest_abs(p, k)
     flat = p.detach().reshape(-1)
     bits = []
     for start in range(0, flat.numel(), MASK_SLICE):  # a multiple of 8 entries: slices pack into whole bytes
