@@ -23,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from adazeta.errors import ConfigError
+from adazeta.errors import ConfigError, PeerError
 from adazeta.overrides import check
 from adazeta.paths import CONFIG_ENV, config_dir  # noqa: F401  (CONFIG_ENV re-exported)
 from adazeta.record import main_score
@@ -105,8 +105,10 @@ def follow(argv: list[str]) -> None:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
         run(cfg, Path("."), overrides)
+    except PeerError:
+        return  # rank 0 prints the line and fails the launch; failing here first could stop rank 0 before it does
     except ConfigError:
-        sys.exit(2)  # rank 0 prints the one line
+        sys.exit(2)
 
 
 def main() -> None:
@@ -123,7 +125,8 @@ def main() -> None:
         if where[0] == 0:
             print("adazeta-run: error: a sweep (-m) cannot run under torchrun: start one torchrun per point, or "
                   "sweep with hydra/launcher=submitit_slurm and hydra.launcher.tasks_per_node=N", file=sys.stderr)
-        sys.exit(2)
+        # Rank 0 alone fails: a rank that failed first would have torchrun stop rank 0 before it prints the line.
+        sys.exit(2 if where[0] == 0 else 0)
     if where is not None and where[0] != 0:
         follow(checked.argv)
         return

@@ -6,3 +6,7 @@ class ConfigError(ValueError):
 
     The command-line entry point prints its message on one line and exits with status 2.
     """
+
+
+class PeerError(ConfigError):
+    """Rank 0's error as the other ranks of a run on several processes receive it: rank 0 reports it."""

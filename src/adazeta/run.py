@@ -29,7 +29,7 @@ from adazeta.adapters import ADAPTERS
 from adazeta import distributed
 from adazeta.distributed import Dist, Spread
 from adazeta.dryrun import dry_run
-from adazeta.errors import ConfigError
+from adazeta.errors import ConfigError, PeerError
 from adazeta.icl import add_demonstrations_
 from adazeta.models import (
     LoadedModel,
@@ -252,7 +252,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> d
         # The other ranks do what rank 0 decided: stop with its error, take its finished result, or run.
         decision, payload = distributed.broadcast(None)
         if decision == "error":
-            raise ConfigError(payload)
+            raise PeerError(payload)
         if decision == "skip":
             return payload
         resume = load_checkpoint(run_dir / CHECKPOINT) if payload else None
