@@ -162,7 +162,7 @@ def test_per_tensor_steps_equal_the_per_parameter_implementation_bit_for_bit(kin
     assert any(not torch.equal(a, b) for a, b in zip(trainable(model), trainable(model_and_closure(kind)[0])))
 
 
-@pytest.mark.parametrize("noise", ["per_tensor", "flat"])
+@pytest.mark.parametrize("noise", ["per_tensor", "flat", "blocks"])
 @pytest.mark.parametrize("estimator", ["central", "one_sided"])
 @pytest.mark.parametrize("mask", [None, "magnitude", "random"])
 def test_the_restore_fused_into_the_update_changes_no_number(mask, estimator, noise, monkeypatch):
@@ -250,20 +250,22 @@ def test_flat_stream_is_blocks_of_the_concatenated_parameters(monkeypatch):
     assert not torch.equal(per_tensor[0], z[0])  # a different stream, hence a versioned choice
 
 
-def test_flat_stream_steps_are_consistent(monkeypatch):
-    """perturb_, the update, kept z and batched replicas all see the same flat z; +eps/-2eps/+eps restores."""
+@pytest.mark.parametrize("noise", ["flat", "blocks"])
+def test_flat_and_blocks_stream_steps_are_consistent(noise, monkeypatch):
+    """perturb_, the update, kept z and batched replicas all see the same z; +eps/-2eps/+eps restores."""
     monkeypatch.setattr(spsa, "FLAT_BLOCK", 1000)
+    monkeypatch.setattr(spsa, "BLOCKS_BLOCK", 1000)
     model, closure = model_and_closure("tt")
     kept_model, batched_model = copy.deepcopy(model), copy.deepcopy(model)
     monkeypatch.setattr(ZOSGD, "KEEP_DIRECTION_BYTES", 0)
-    regenerated = optimizer(model, "tt", None, noise="flat")
+    regenerated = optimizer(model, "tt", None, noise=noise)
     regenerated.step(closure)
     monkeypatch.setattr(ZOSGD, "KEEP_DIRECTION_BYTES", 2**30)
-    kept = optimizer(kept_model, "tt", None, noise="flat")
+    kept = optimizer(kept_model, "tt", None, noise=noise)
     kept.step(closure_of(kept_model, closure))
     assert torch.equal(regenerated.last_projected_grads, kept.last_projected_grads)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), kept_model.parameters()))
-    batched = optimizer(batched_model, "tt", None, noise="flat", batched_queries=True, query_chunk=6)
+    batched = optimizer(batched_model, "tt", None, noise=noise, batched_queries=True, query_chunk=6)
     batched.step(closure_of(batched_model, closure))
     torch.testing.assert_close(batched.last_projected_grads, kept.last_projected_grads, atol=2e-4, rtol=1e-3)
     for a, b in zip(trainable(model), trainable(batched_model)):
@@ -271,9 +273,9 @@ def test_flat_stream_steps_are_consistent(monkeypatch):
 
     params = trainable(model)
     before = [p.clone() for p in params]
-    perturb_(params, 3, 1e-2, noise="flat")
-    perturb_(params, 3, -2e-2, noise="flat")
-    perturb_(params, 3, 1e-2, noise="flat")
+    perturb_(params, 3, 1e-2, noise=noise)
+    perturb_(params, 3, -2e-2, noise=noise)
+    perturb_(params, 3, 1e-2, noise=noise)
     for a, b in zip(params, before):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
@@ -290,3 +292,76 @@ def test_noise_is_checked_and_survives_a_resume():
     old = opt.state_dict()
     del old["zo"]["noise"]  # a checkpoint from before the choice: per_tensor
     ZOSGD([nn.Parameter(torch.randn(10))]).load_state_dict(old)
+
+
+# --- the blocks stream ---------------------------------------------------------------------------------------
+
+
+def test_blocks_stream_is_independent_generators_per_block(monkeypatch):
+    """Its definition: as flat, ``BLOCKS_BLOCK`` entries per draw, block b from ``block_seed(seed, b)``."""
+    monkeypatch.setattr(spsa, "BLOCKS_BLOCK", 100)
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=g) for s in [(7, 11), (3,), (250,), (20, 2)]]
+    params.insert(2, torch.randn(30, generator=g, dtype=torch.float64))  # its own group, drawn after the fp32 one
+    z = directions(params, 5, noise="blocks")
+    fp32 = torch.cat([torch.randn(n, generator=torch.Generator().manual_seed(spsa.block_seed(5, b)))
+                      for b, n in enumerate((100, 100, 100, 70))])
+    fp64 = torch.randn(30, generator=torch.Generator().manual_seed(spsa.block_seed(5, 4)), dtype=torch.float64)
+    expected = list(fp32.split([77, 3, 250, 40]))
+    expected.insert(2, fp64)
+    assert all(torch.equal(a.reshape(-1), b) for a, b in zip(z, expected))
+    assert len({spsa.block_seed(5, b) for b in range(100)} | {spsa.block_seed(6, b) for b in range(100)}) == 200
+    assert not torch.equal(directions(params, 5, noise="flat")[0], z[0])  # a stream of its own
+
+
+@pytest.fixture
+def threads():
+    """Set torch's CPU threads for a test (the blocks stream draws on as many), restored after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kind,mask", [("full", None), ("full", "magnitude"), ("full", "random"), ("bottleneck", None)])
+def test_blocks_stream_gives_the_same_numbers_on_any_number_of_threads(kind, mask, threads, monkeypatch):
+    """Blocks drawn and applied on threads (in any order) or one after another: the same steps bit for bit, with
+    z kept or regenerated, the restore fused, weight decay and two learning rates, under every mask."""
+    monkeypatch.setattr(spsa, "BLOCKS_BLOCK", 500)  # dozens of blocks, straddling parameters
+    used = []
+    real_pool = spsa._draw_pool
+    monkeypatch.setattr(spsa, "_draw_pool", lambda: used.append(torch.get_num_threads()) or real_pool())
+    runs = []
+    for n_threads in (1, 3):
+        threads(n_threads)
+        for keep, queries in ((False, 1), (False, 2), (True, 2)):
+            model, closure = model_and_closure(kind)
+            monkeypatch.setattr(ZOSGD, "KEEP_DIRECTION_BYTES", 2**30 if keep else 0)
+            opt = optimizer(model, kind, mask, n_queries=queries, noise="blocks")
+            for _ in range(2):
+                opt.step(closure)
+            runs.append((n_threads, keep, queries, opt.last_losses, [p.detach().clone() for p in model.parameters()]))
+    assert 3 in used  # the threaded path ran
+    one, three = runs[: len(runs) // 2], runs[len(runs) // 2 :]
+    for (_, _, _, losses_a, weights_a), (_, _, _, losses_b, weights_b) in zip(one, three):
+        assert torch.equal(losses_a, losses_b)
+        assert all(torch.equal(a, b) for a, b in zip(weights_a, weights_b))
+    assert torch.equal(one[1][3], one[2][3])  # kept or regenerated z: the same losses
+
+
+def test_blocks_stream_threads_finish_before_an_error_is_raised(threads, monkeypatch):
+    """A failing block on one thread raises in the caller, after every other block's work is done."""
+    threads(2)
+    monkeypatch.setattr(spsa, "BLOCKS_BLOCK", 10)
+    params = [torch.zeros(100)]
+    layout = spsa.NoiseLayout(params, "blocks")
+    assert layout.threaded
+    done = []
+
+    def apply(index, views, zs):
+        if views[0].data_ptr() == params[0].data_ptr():  # the first block fails
+            raise RuntimeError("boom")
+        done.append(1)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        spsa._each_draw(layout, 3, None, apply)
+    assert len(done) == 9

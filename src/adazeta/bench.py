@@ -61,7 +61,8 @@ from adazeta.evaluate import evaluate
 from adazeta.models import LoadedModel, ModelSource, architecture_config, load_model, resolve_device
 from adazeta.offline import use_shared
 from adazeta.optim.batched import ReplicaClosure
-from adazeta.results import git_state, package_versions
+from adazeta.optim.spsa import NOISE_STREAMS
+from adazeta.results import cpu_name, git_state, package_versions
 from adazeta.run import Built, build, build_optimizer, compose_settings, seed_everything
 from adazeta.scoring import Encoded, Scorer, batch_loss, collate, encode, replica_losses
 from adazeta.settings import Settings
@@ -629,7 +630,7 @@ def main() -> None:
                              "synthetic prompts of SST-2 and RTE lengths: needs no model or data file")
     parser.add_argument("--methods", nargs="*", default=ZO_METHODS, choices=ZO_METHODS,
                         help="ZO methods compared on the same batch (step, forwards, memory); none: skip")
-    parser.add_argument("--noise", choices=("per_tensor", "flat"), default="per_tensor",
+    parser.add_argument("--noise", choices=NOISE_STREAMS, default="per_tensor",
                         help="the ZO noise stream of every optimizer (method.optimizer.noise)")
     parser.add_argument("--scaling-sizes", type=int, nargs="*", default=[8, 16, 32],
                         help="batch sizes of the SST-2 / RTE scaling rows (none: skip)")
@@ -672,7 +673,7 @@ def main() -> None:
 
     device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     name = f"{args.model}{'-random' if args.weights == 'random' and 'random' not in args.model else ''}" \
-           f"-{device}-{args.dtype}{'-flat' if args.noise == 'flat' else ''}"
+           f"-{device}-{args.dtype}{'' if args.noise == 'per_tensor' else '-' + args.noise}"
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / f"{name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
@@ -681,12 +682,13 @@ def main() -> None:
     table = markdown(report)
     checks = verdicts(report, args)
     busy = load_before[0] > 0.5 * (os.cpu_count() or 1) or load_after[0] > 0.5 * (os.cpu_count() or 1)
-    note = (f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after, on {os.cpu_count()} CPUs"
+    note = (f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after, on {os.cpu_count()} CPUs "
+            f"({cpu_name()})"
             + (": the machine was busy, so these timings are pessimistic" if busy and device == "cpu" else ""))
     (args.out / f"{name}.md").write_text(table + "\n\n" + "\n".join(f"- {c}" for c in checks) + f"\n- {note}\n")
     meta = {
         "model": args.model, "dtype": args.dtype, "device": device, "args": {k: str(v) for k, v in vars(args).items()},
-        "batch": info, "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "batch": info, "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "cpu": cpu_name(),
         "cuda_device": torch.cuda.get_device_name(0) if device == "cuda" else None,
         "load_average_before": load_before, "load_average_after": load_after, "wall_s": round(time.time() - started, 1),
         "git": git_state(), "packages": package_versions(), "rows": report.rows,

@@ -49,8 +49,20 @@ def device_info(device: torch.device) -> dict[str, Any]:
         info["name"] = torch.cuda.get_device_name(device)
         info["cuda"] = torch.version.cuda
     else:
-        info["name"] = platform.processor() or platform.machine()
+        info["name"] = cpu_name()
     return info
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what ``platform`` knows: timings depend on it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def write_result(path: Path, record: dict[str, Any]) -> None:

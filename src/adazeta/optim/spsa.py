@@ -9,13 +9,16 @@ keeps each z_q from its first draw to the update (``DirectionCache``). The noise
 ``torch.Generator``s so that it never touches (or is touched by) the global RNG, dropout or data order, and is
 drawn and applied a chunk of parameters at a time with multi-tensor (``torch._foreach_*``) ops. How a seed
 becomes z is the noise stream (``NOISE_STREAMS``): ``per_tensor`` (one generator call per parameter, the
-default and the stream of earlier releases) or ``flat`` (one call per 4 M entries of each device and dtype).
+default and the stream of earlier releases), ``flat`` (one call per 4 M entries of each device and dtype) or
+``blocks`` (1 M entries per call, each call with a generator of its own: on a CPU they run on several threads).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Iterator, Sequence
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -40,11 +43,17 @@ def mask_seed(run_seed: int, step: int) -> int:
     return int(state[0]) & _SEED_MASK
 
 
+def block_seed(seed: int, block: int) -> int:
+    """Seed of the ``blocks`` stream's generator for its ``block``-th call from ``seed``: a hash of both."""
+    state = np.random.SeedSequence([seed, block], spawn_key=(2,)).generate_state(1, dtype=np.uint64)
+    return int(state[0]) & _SEED_MASK
+
+
 class _Streams:
     """Local generators seeded from one seed, one per device, created in the order devices are first met.
 
     Parameters split over several devices get one stream each; later devices derive their seed so that their
-    draws do not repeat the first device's.
+    draws do not repeat the first device's. The ``blocks`` stream instead gives each call a generator of its own.
     """
 
     def __init__(self, seed: int):
@@ -58,6 +67,10 @@ class _Streams:
             seed = self.seed if n == 0 else query_seed(self.seed, 0, n)
             gen = self._generators[device] = torch.Generator(device=device).manual_seed(seed)
         return gen
+
+    def of_block(self, block: "_Block") -> torch.Generator:
+        """The ``blocks`` stream's generator for ``block``, seeded from (seed, the block's place in the layout)."""
+        return torch.Generator(device=block.device).manual_seed(block_seed(self.seed, block.ordinal))
 
 
 class RandomMask:
@@ -158,8 +171,13 @@ Masks = Sequence[torch.Tensor | PackedMask | None] | RandomMask | None
 #               and the default, so the same seeds give the same directions bit for bit;
 #   flat:       the parameters of each (device, dtype), concatenated in order, drawn ``FLAT_BLOCK`` entries per
 #               call: hundreds of small adapter tensors take one call. Same distribution, other numbers.
-NOISE_STREAMS = ("per_tensor", "flat")
+#   blocks:     as ``flat`` with ``BLOCKS_BLOCK`` entries per call, and call b draws from a generator of its own,
+#               seeded with ``block_seed(seed, b)``: the calls are independent, so a CPU draws them on
+#               ``torch.get_num_threads()`` threads (a CPU generator is serial: one N(0, 1) draw of a 135 M-weight
+#               model takes a core about a second), with the same numbers on any number of threads.
+NOISE_STREAMS = ("per_tensor", "flat", "blocks")
 FLAT_BLOCK = 1 << 22  # entries per generator call of the flat stream: part of its definition (16 MiB in fp32)
+BLOCKS_BLOCK = 1 << 20  # entries per generator call of the blocks stream: part of its definition (4 MiB in fp32)
 # A pass draws and applies the noise of at most this many bytes of parameters at a time, with one multi-tensor
 # (foreach) op per chunk: the pass's only temporary. A larger parameter is a chunk of its own, as it always was.
 CHUNK_BYTES = 16 * 2**20
@@ -173,6 +191,7 @@ class _Block:
     dtype: torch.dtype
     numel: int
     pieces: tuple[tuple[int, int, int], ...]  # (parameter index, first flat entry in it, entries), in draw order
+    ordinal: int = 0  # the block's place in its layout (the blocks stream seeds its generator with it)
 
 
 def _per_tensor_blocks(params: Sequence[torch.Tensor]) -> list[_Block]:
@@ -180,7 +199,7 @@ def _per_tensor_blocks(params: Sequence[torch.Tensor]) -> list[_Block]:
     return [_Block(p.device, p.dtype, p.numel(), ((i, 0, p.numel()),)) for i, p in enumerate(params)]
 
 
-def _flat_blocks(params: Sequence[torch.Tensor]) -> list[_Block]:
+def _flat_blocks(params: Sequence[torch.Tensor], size: int) -> list[_Block]:
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault((p.device, p.dtype), []).append(i)
@@ -191,14 +210,14 @@ def _flat_blocks(params: Sequence[torch.Tensor]) -> list[_Block]:
         for i in members:
             start, n = 0, params[i].numel()
             while start < n:
-                take = min(n - start, FLAT_BLOCK - fill)
+                take = min(n - start, size - fill)
                 pieces.append((i, start, take))
                 start, fill = start + take, fill + take
-                if fill == FLAT_BLOCK:
-                    blocks.append(_Block(device, dtype, fill, tuple(pieces)))
+                if fill == size:
+                    blocks.append(_Block(device, dtype, fill, tuple(pieces), len(blocks)))
                     pieces, fill = [], 0
         if pieces:
-            blocks.append(_Block(device, dtype, fill, tuple(pieces)))
+            blocks.append(_Block(device, dtype, fill, tuple(pieces), len(blocks)))
     return blocks
 
 
@@ -217,11 +236,16 @@ class NoiseLayout:
         self.flat = [p.reshape(-1) for p in self.params]
         if any(f.data_ptr() != p.data_ptr() for f, p in zip(self.flat, self.params)):
             raise ValueError("ZO noise needs contiguous parameters, to move them through flat views")
-        self.blocks = _per_tensor_blocks(self.params) if stream == "per_tensor" else _flat_blocks(self.params)
+        if stream == "per_tensor":
+            self.blocks = _per_tensor_blocks(self.params)
+        else:
+            self.blocks = _flat_blocks(self.params, FLAT_BLOCK if stream == "flat" else BLOCKS_BLOCK)
         self.numel = sum(p.numel() for p in self.params)
         self.nbytes = sum(p.numel() * p.element_size() for p in self.params)
         devices = {p.device for p in self.params}
         self.device = devices.pop() if len(devices) == 1 else None  # the only device, or None
+        # Blocks drawn and applied on several CPU threads (``_each_draw``): the blocks stream, all on the CPU.
+        self.threaded = stream == "blocks" and len(self.blocks) > 1 and all(p.device.type == "cpu" for p in self.params)
         self._chunks: tuple[int, list[list[_Block]]] | None = None
 
     def matches(self, params: Sequence[torch.Tensor], stream: str) -> bool:
@@ -308,8 +332,7 @@ def _draw_chunk(
     views: list[torch.Tensor] = []
     zs: list[torch.Tensor] = []
     cut: list[tuple[int, int]] = []
-    for block in chunk:
-        z = torch.randn(block.numel, generator=streams.on(block.device), device=block.device, dtype=block.dtype)
+    for block, z in zip(chunk, _draw_blocks(layout, chunk, streams)):
         parts = [z] if len(block.pieces) == 1 else z.split([n for _, _, n in block.pieces])
         for (i, start, n), part in zip(block.pieces, parts):
             flat = layout.flat[i]
@@ -321,6 +344,70 @@ def _draw_chunk(
         # Drawn in full whatever the mask, so that z is the same under any mask and the stream stays aligned.
         masks.apply_(zs, index, cut)
     return index, views, zs
+
+
+def _randn(block: _Block, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(block.numel, generator=generator, device=block.device, dtype=block.dtype)
+
+
+def _draw_blocks(layout: NoiseLayout, chunk: Sequence[_Block], streams: _Streams) -> list[torch.Tensor]:
+    """The draw of each block of ``chunk``: in order from the device's stream, or (``blocks``) each from its own
+    generator, on several threads where the chunk is on a CPU and torch may use more than one."""
+    if layout.stream != "blocks":
+        return [_randn(block, streams.on(block.device)) for block in chunk]
+    generators = [streams.of_block(block) for block in chunk]
+    pool = _draw_pool() if len(chunk) > 1 and chunk[0].device.type == "cpu" else None
+    if pool is None:
+        return [_randn(block, gen) for block, gen in zip(chunk, generators)]
+    # torch.randn releases the GIL and a CPU generator draws on the calling thread only: one core per block.
+    futures = [pool.submit(_randn, block, gen) for block, gen in zip(chunk, generators)]
+    return [future.result() for future in futures]
+
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _draw_pool() -> ThreadPoolExecutor | None:
+    """Threads for the blocks stream's CPU draws, as many as ``torch.get_num_threads()`` (None for one)."""
+    global _POOL
+    threads = torch.get_num_threads()
+    if threads < 2:
+        return None
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != threads:
+            if _POOL is not None:
+                _POOL[1].shutdown(wait=False)
+            _POOL = (threads, ThreadPoolExecutor(threads, thread_name_prefix="adazeta-noise"))
+        return _POOL[1]
+
+
+def _each_draw(layout: NoiseLayout, seed: int, masks: Masks,
+               apply: Callable[[list[int], list[torch.Tensor], list[torch.Tensor]], None]) -> None:
+    """Draw z from ``seed``, masked, and hand each piece to ``apply(parameter indices, parameter views, z)``.
+
+    A chunk at a time in draw order, one chunk's noise alive at a time; or, for the ``blocks`` stream on a CPU,
+    each block drawn and applied on a thread of ``_draw_pool`` (one block's noise per thread). ``apply`` must
+    then act entry by entry, as every pass does: blocks are disjoint, so each entry sees the same operations in
+    the same order and the numbers do not depend on the number of threads.
+    """
+    streams, mask_pieces = _Streams(seed), _MaskPieces(layout, masks)
+    pool = _draw_pool() if layout.threaded and not isinstance(masks, RandomMask) else None
+    if pool is None:
+        for chunk in layout.chunks():  # in draw order: the stream is the same however the chunks fall
+            apply(*_draw_chunk(layout, chunk, streams, mask_pieces))  # its noise freed before the next chunk's
+        return
+
+    grad_enabled = torch.is_grad_enabled()  # thread-local: the caller's (no_grad) is not the pool threads'
+
+    def one(block: _Block) -> None:
+        with torch.set_grad_enabled(grad_enabled):
+            apply(*_draw_chunk(layout, [block], streams, mask_pieces))  # stored masks are only read: thread-safe
+
+    futures = [pool.submit(one, block) for block in layout.blocks]
+    wait(futures)  # every block done before any error is raised: no thread moves weights after the caller fails
+    for future in futures:
+        future.result()
 
 
 def _flat_directions(layout: NoiseLayout, seed: int, masks: Masks) -> list[torch.Tensor]:
@@ -366,11 +453,7 @@ def perturb_(
     if z is not None:
         torch._foreach_add_(layout.flat, list(z), alpha=scale)
         return
-    streams, mask_pieces = _Streams(seed), _MaskPieces(layout, masks)
-    for chunk in layout.chunks():  # in draw order: the stream is the same however the chunks fall
-        _, views, zs = _draw_chunk(layout, chunk, streams, mask_pieces)
-        torch._foreach_add_(views, zs, alpha=scale)
-        del zs  # free before drawing the next chunk: one chunk's noise at a time
+    _each_draw(layout, seed, masks, lambda index, views, zs: torch._foreach_add_(views, zs, alpha=scale))
 
 
 class DirectionCache:
@@ -474,16 +557,16 @@ def zo_update_(
         if kept is not None:
             _move(range(n), layout.flat, kept, coefs[q], lrs, layout.device, inplace=False)
             continue
-        streams, mask_pieces = _Streams(seed), _MaskPieces(layout, masks)
-        for chunk in layout.chunks():
-            index, views, zs = _draw_chunk(layout, chunk, streams, mask_pieces)
-            if restore is not None:  # the estimate's last perturbation undone with this z, then this chunk's decay
+
+        def apply(index: list[int], views: list[torch.Tensor], zs: list[torch.Tensor], coef=coefs[q]) -> None:
+            if restore is not None:  # the estimate's last perturbation undone with this z, then these pieces' decay
                 torch._foreach_add_(views, zs, alpha=restore[1])
                 for k, i in enumerate(index):
                     if weight_decays[i] > 0:
                         views[k].mul_(1.0 - lrs[i] * weight_decays[i])
-            _move(index, views, zs, coefs[q], lrs, layout.device, inplace=True)
-            del zs
+            _move(index, views, zs, coef, lrs, layout.device, inplace=True)
+
+        _each_draw(layout, seed, masks, apply)
 
 
 def _move(index: Iterable[int], views: Sequence[torch.Tensor], zs: Sequence[torch.Tensor], coef: torch.Tensor,

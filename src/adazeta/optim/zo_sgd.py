@@ -381,7 +381,8 @@ class ZOSGDConfig:
     query_chunk: int | str = 4
     query_memory: float = 0.05
     # How a seed becomes z: per_tensor (one generator call per parameter: the stream of earlier releases, so the
-    # same seeds give the same run) or flat (one call per 4 M entries: fewer kernels, other directions).
+    # same seeds give the same run), flat (one call per 4 M entries: fewer kernels, other directions) or blocks
+    # (1 M entries per call, each with a generator of its own: drawn on every CPU thread; other directions).
     noise: str = "per_tensor"
 
     def __post_init__(self) -> None:
