@@ -13,7 +13,7 @@ def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
     monkeypatch.setenv("ADAZETA_DATA_DIR", str(fixture_data))
     argv = ["bench.py", "--model", "tiny-llama", "--repeats", "2", "--warmup", "0", "--queries", "1", "2",
             "--chunks", "3", "--eval-examples", "6", "--eval-batch-size", "4", "--skip-memory", "--out", str(tmp_path),
-            "--scaling-sizes", "2", "4"]
+            "--scaling-sizes", "2", "4", "--overhead-pairs", "3"]
     monkeypatch.setattr(sys, "argv", argv)
     bench.main()
     with open(tmp_path / "tiny-llama-cpu-fp32.csv") as f:
@@ -32,8 +32,11 @@ def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
     assert methods == set(bench.ZO_METHODS)
     for task in ("sst2", "rte"):
         assert sum(r["setting"].startswith(f"{task}, batch ") for r in rows if r["section"] == "scaling") == 4
+    overhead = next(r for r in rows if r["measurement"] == "TT adapters' forward overhead")
+    assert overhead["runs"] == "3" and overhead["setting"].endswith("3 pairs")  # its own rounds, a ratio per pair
+    assert ("evaluation speed-up", "batched / one example at a time") in settings
     for r in rows:
-        assert r["runs"] in ("1", "2")
+        assert r["runs"] in ("1", "2") or r is overhead
         if r["unit"] != "x":  # times and throughputs: positive, median within [min, max]
             assert 0 < float(r["min"]) <= float(r["median"]) <= float(r["max"])
     assert (tmp_path / "tiny-llama-cpu-fp32.md").read_text().startswith("| measurement |")

@@ -22,9 +22,11 @@ from adazeta.adapters.tt import (
     AdaptedLinear,
     TTAdapter,
     TTAdapterConfig,
+    TTFactorGroup,
     TTLinear,
     add_tt_adapters,
     count_adapters,
+    group_tt_layers,
 )
 from adazeta.errors import ConfigError
 from adazeta.tensor.tt import (
@@ -33,6 +35,7 @@ from adazeta.tensor.tt import (
     factorize,
     init_cores,
     split_index,
+    tt_factors,
     tt_matmul,
     tt_num_params,
     tt_ranks,
@@ -384,3 +387,102 @@ def test_target_matching_nothing_fails():
     targets = [{"pattern": r"no_such_layer$", "position": "output"}]
     with pytest.raises(ConfigError, match="no_such_layer"):
         add_tt_adapters(_tiny_llama(), TTAdapterConfig(targets=targets))
+
+
+# ------------------------------------------------------------------------------------- grouped TT factors
+
+
+def _adapted_tiny_llama():
+    model = add_tt_adapters(_tiny_llama(), TTAdapterConfig(bottleneck=8, rank=3),
+                            generator=torch.Generator().manual_seed(0))
+    return model, [m for m in model.modules() if isinstance(m, TTLinear)]
+
+
+def test_layers_of_one_shape_share_a_group_whose_factors_equal_their_own():
+    model, layers = _adapted_tiny_llama()
+    groups = {id(layer._group[0]) for layer in layers}
+    assert len(groups) == 2  # every adapter of the tiny Llama is on a 32-wide site: one down and one up group
+    with torch.no_grad():
+        for layer in layers:
+            a, b = tt_factors(list(layer.cores), layer.split)
+            a_t, b_t = layer.factors()  # from the group's batched contraction
+            assert a_t.is_contiguous() and b_t.is_contiguous()
+            # Batched products may round otherwise than single ones (bit for bit on SmolLM2's shapes on our CPUs)
+            torch.testing.assert_close(a_t, a.t(), atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(b_t, b.t(), atol=1e-6, rtol=1e-6)
+
+
+def test_grouped_forward_equals_the_reference_product_and_the_autograd_path():
+    model, layers = _adapted_tiny_llama()
+    x = torch.randn(2, 7, layers[0].in_features)
+    layer = layers[0]
+    reference = tt_matmul(x, list(layer.cores), layer.split) + layer.bias  # the formula, as before grouping
+    with torch.no_grad():
+        grouped = layer(x)
+    with_grad = layer(x)  # autograd: the layer's own contraction
+    torch.testing.assert_close(grouped, reference, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grouped, with_grad, atol=1e-6, rtol=1e-6)
+    with_grad.sum().backward()
+    assert all(core.grad is not None and core.grad.abs().sum() > 0 for core in layer.cores)
+    ids = torch.randint(0, 100, (2, 7))
+    with torch.inference_mode():
+        grouped_logits = model(ids).logits
+    torch.testing.assert_close(grouped_logits, model(ids).logits.detach(), atol=1e-6, rtol=1e-6)
+
+
+def test_group_factors_follow_every_change_of_a_core():
+    model, layers = _adapted_tiny_llama()
+    x = torch.randn(3, layers[1].in_features)
+
+    def check():
+        with torch.no_grad():
+            got = layers[1](x)
+            a, b = tt_factors(list(layers[1].cores), layers[1].split)
+            torch.testing.assert_close(layers[1].factors()[0], a.t(), atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(got, x @ a @ b + layers[1].bias, atol=1e-6, rtol=1e-6)
+
+    check()
+    with torch.no_grad():
+        layers[1].cores[2].add_(1.0)  # an in-place step (ZO perturbation, optimizer)
+    check()
+    state = {k: v + 0.5 for k, v in model.state_dict().items()}
+    model.load_state_dict(state)  # copies into the parameters
+    check()
+    with torch.inference_mode():  # factors drawn in inference mode serve later no_grad forwards
+        layers[1](x)
+    with torch.no_grad():
+        layers[1].cores[0].mul_(2.0)
+    check()
+    model.double()  # new storage
+    x = x.double()
+    check()
+    layer = layers[1]
+    swapped = {name: p * 2 for name, p in layer.named_parameters()}
+    with torch.no_grad():  # parameters swapped in for one call
+        got = torch.func.functional_call(layer, swapped, (x,))
+        cores = [swapped[f"cores.{i}"] for i in range(len(layer.cores))]
+        expected = tt_matmul(x, cores, layer.split) + swapped["bias"]
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    check()  # and its own again after
+
+
+def test_a_copied_model_has_groups_of_its_own():
+    import copy
+
+    model, layers = _adapted_tiny_llama()
+    twin = copy.deepcopy(model)
+    twin_layers = [m for m in twin.modules() if isinstance(m, TTLinear)]
+    assert twin_layers[0]._group[0] is not layers[0]._group[0]
+    assert twin_layers[0]._group[0].layers[0] is twin_layers[0]
+    with torch.no_grad():
+        twin_layers[0].cores[0].add_(1.0)
+        assert not torch.equal(twin_layers[0].factors()[0], layers[0].factors()[0])
+
+
+def test_a_lone_layer_contracts_its_own_cores():
+    layer = TTLinear(12, 8, [3, 4, 2, 4], rank=2, generator=torch.Generator().manual_seed(0))
+    assert layer._group is None and group_tt_layers(torch.nn.ModuleList([layer])) == 0
+    a, b = tt_factors(list(layer.cores), layer.split)
+    with torch.no_grad():
+        assert torch.equal(layer.factors()[0], a.t())  # its own contraction: the same products
+    assert isinstance(_adapted_tiny_llama()[1][0]._group[0], TTFactorGroup)

@@ -128,15 +128,24 @@ def contract_cores(cores: Sequence[Tensor]) -> Tensor:
     return result
 
 
-def tt_matmul(x: Tensor, cores: Sequence[Tensor], split: int) -> Tensor:
-    """``x @ W`` with ``W = A @ B``, A (in, r) = contraction of cores[:split], B (r, out) = of cores[split:].
+def tt_factors(cores: Sequence[Tensor], split: int) -> tuple[Tensor, Tensor]:
+    """``(A, B)`` with ``W = A @ B``: A (in, r) the contraction of cores[:split], B (r, out) of cores[split:].
 
-    The dense (in, out) matrix is never formed: this is the rank-r "fast forward" of TT layers. Batched cores
-    ``(R, r, k, r')`` with ``x`` of shape ``(R, ..., in)`` give replica r's product for ``x[r]``.
+    Batched cores ``(G, r, k, r')`` give G pairs at once, ``(G, in, r)`` and ``(G, r, out)``.
     """
     a = contract_cores(cores[:split])  # (in, r), since r_0 = 1
     r = cores[split].shape[-3]
     b = contract_cores(cores[split:]).reshape(*cores[split].shape[:-3], r, -1)  # (r, out), since r_n = 1
+    return a, b
+
+
+def tt_matmul(x: Tensor, cores: Sequence[Tensor], split: int) -> Tensor:
+    """``x @ W`` with ``W = A @ B`` (``tt_factors``).
+
+    The dense (in, out) matrix is never formed: this is the rank-r "fast forward" of TT layers. Batched cores
+    ``(R, r, k, r')`` with ``x`` of shape ``(R, ..., in)`` give replica r's product for ``x[r]``.
+    """
+    a, b = tt_factors(cores, split)
     if a.dim() > 2:  # one (A, B) per replica: x (R, ..., in) -> (R, M, in) for batched products
         flat = x.reshape(a.shape[0], -1, x.shape[-1])
         return ((flat @ a) @ b).reshape(*x.shape[:-1], b.shape[-1])
