@@ -143,15 +143,19 @@ CASES = [("tt", None), ("lora", None), ("bottleneck", None), ("full", None), ("f
          ("full", "random")]
 
 
+@pytest.mark.parametrize("draw_slice", [None, 48], ids=["whole draws", "sliced draws"])
 @pytest.mark.parametrize("queries", [3, 1])  # one query and z regenerated: the restore is fused into the update
 @pytest.mark.parametrize("keep", [True, False], ids=["z kept", "z regenerated"])
 @pytest.mark.parametrize("kind,mask", CASES)
-def test_per_tensor_steps_equal_the_per_parameter_implementation_bit_for_bit(kind, mask, keep, queries, monkeypatch):
+def test_per_tensor_steps_equal_the_per_parameter_implementation_bit_for_bit(kind, mask, keep, queries, draw_slice,
+                                                                              monkeypatch):
     model, closure = model_and_closure(kind)
     twin = copy.deepcopy(model)
     twin_closure = closure_of(twin, closure)
     monkeypatch.setattr(ZOSGD, "KEEP_DIRECTION_BYTES", 2**30 if keep else 0)
     monkeypatch.setattr(spsa, "CHUNK_BYTES", 4096)  # many chunks, boundaries between and around tensors
+    # Sliced: every weight of more than 96 entries drawn and moved 48 entries at a time (one pass's slice buffer).
+    monkeypatch.setattr(spsa, "DRAW_SLICE", draw_slice or 2**40)
     new, old = optimizer(model, kind, mask, n_queries=queries), optimizer(twin, kind, mask, n_queries=queries)
     for _ in range(2):
         new.step(closure)
@@ -176,9 +180,11 @@ def test_the_restore_fused_into_the_update_changes_no_number(mask, estimator, no
     fused = optimizer(model, "full", mask, n_queries=1, estimator=estimator, noise=noise)
     apart = optimizer(twin, "full", mask, n_queries=1, estimator=estimator, noise=noise)
     apart.FUSE_RESTORE = False
+    monkeypatch.setattr(spsa, "DRAW_SLICE", 64)  # the larger weights drawn a slice at a time, the others whole
     draws = []
-    real = spsa._draw_chunk
+    real, real_sliced = spsa._draw_chunk, spsa._apply_sliced
     monkeypatch.setattr(spsa, "_draw_chunk", lambda *a: draws.append(1) or real(*a))
+    monkeypatch.setattr(spsa, "_apply_sliced", lambda *a: draws.append(1) or real_sliced(*a))
     for _ in range(3):
         before = len(draws)
         fused.step(closure)
@@ -209,10 +215,12 @@ def test_batched_steps_draw_the_per_parameter_directions(kind):
 def test_functions_match_the_reference_under_every_mask_and_chunking(monkeypatch):
     g = torch.Generator().manual_seed(0)
     shapes = [(1, 8, 5), (5, 8, 5), (64,), (3,), (7, 11), (300,), (16,)] * 3
-    params = [torch.randn(s, generator=g) for s in shapes]
-    fixed = [torch.rand(s, generator=g) < 0.3 for s in shapes]
-    for chunk in (64, 1000, 2**24):
+    params = [torch.randn(s, generator=g) for s in shapes] + [torch.randn(33, generator=g)]
+    fixed = [torch.rand(p.shape, generator=g) < 0.3 for p in params]
+    fixed[2] = PackedMask.pack(fixed[2])
+    for chunk, draw_slice in ((64, 2**40), (1000, 2**40), (2**24, 2**40), (64, 16), (2**24, 32)):
         monkeypatch.setattr(spsa, "CHUNK_BYTES", chunk)
+        monkeypatch.setattr(spsa, "DRAW_SLICE", draw_slice)
         for masks in (None, fixed, RandomMask(3, 0.3)):
             new, old = [p.clone() for p in params], [p.clone() for p in params]
             perturb_(new, 11, 1e-3, masks)
@@ -228,6 +236,54 @@ def test_functions_match_the_reference_under_every_mask_and_chunking(monkeypatch
             reference_noise = _ReferenceNoise(9)
             ref = [reference_noise.draw(p, m) for p, m in zip(params, _reference_masks(params, masks))]
             assert all(torch.equal(a, b) for a, b in zip(z, ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numel", [97, 160, 1000, 1009, 4096 + 15, 3 * 1024 + 1])
+def test_a_cpu_draw_in_slices_is_the_draw_of_one_call(numel, dtype, monkeypatch):
+    """What sliced passes rest on: a CPU generator's ``normal_`` over consecutive slices of a multiple of 16
+    entries, the last holding the remainder, fills the numbers of one ``torch.randn`` call, in every dtype."""
+    monkeypatch.setattr(spsa, "DRAW_SLICE", 32)
+    cuts = spsa._slices(numel)
+    assert cuts[0] == (0, 32) and sum(n for _, n in cuts) == numel and min(n for _, n in cuts) >= 16
+    assert all(start + n == nxt for (start, n), (nxt, _) in zip(cuts, cuts[1:]))
+    whole = torch.randn(numel, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    sliced, gen = torch.empty(numel, dtype=dtype), torch.Generator().manual_seed(3)
+    for start, n in cuts:
+        sliced[start : start + n].normal_(generator=gen)
+    assert torch.equal(whole, sliced)
+    for bad in (0, 8, 40):
+        monkeypatch.setattr(spsa, "DRAW_SLICE", bad)
+        with pytest.raises(ValueError, match="multiple of 16"):
+            spsa._slices(numel)
+
+
+def test_a_sliced_pass_holds_no_draw_the_size_of_a_weight(monkeypatch):
+    """A large CPU weight's noise is drawn into one small buffer per thread, never whole: a pass allocates no
+    tensor of more than a slice (MeZO's embedding is 113 MB in fp32)."""
+    monkeypatch.setattr(spsa, "DRAW_SLICE", 256)
+    params = [torch.randn(100_000), torch.randn(50)]
+    before = [p.clone() for p in params]
+    sizes = []
+    real_empty, real_randn = torch.empty, torch.randn
+
+    def spy(factory):
+        def made(*shape, **kwargs):
+            out = factory(*shape, **kwargs)
+            sizes.append(out.numel())
+            return out
+        return made
+
+    monkeypatch.setattr(torch, "empty", spy(real_empty))
+    monkeypatch.setattr(torch, "randn", spy(real_randn))
+    perturb_(params, 4, 1e-2)
+    zo_update_(params, [4], [torch.tensor(0.5)], 1e-2, [0.1, 0.0], restore=(4, -1e-2))
+    monkeypatch.undo()
+    assert sizes and max(sizes) <= 256 + 16
+    reference_perturb_(before, 4, 1e-2)
+    reference_perturb_(before, 4, -1e-2)
+    reference_update_(before, [4], [torch.tensor(0.5)], [1e-2, 1e-2], [0.1, 0.0])
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
 
 
 # --- the flat stream -----------------------------------------------------------------------------------------
@@ -255,6 +311,7 @@ def test_flat_and_blocks_stream_steps_are_consistent(noise, monkeypatch):
     """perturb_, the update, kept z and batched replicas all see the same z; +eps/-2eps/+eps restores."""
     monkeypatch.setattr(spsa, "FLAT_BLOCK", 1000)
     monkeypatch.setattr(spsa, "BLOCKS_BLOCK", 1000)
+    monkeypatch.setattr(spsa, "DRAW_SLICE", 48)  # regenerated z drawn in slices, kept z in whole blocks
     model, closure = model_and_closure("tt")
     kept_model, batched_model = copy.deepcopy(model), copy.deepcopy(model)
     monkeypatch.setattr(ZOSGD, "KEEP_DIRECTION_BYTES", 0)
@@ -327,6 +384,7 @@ def test_blocks_stream_gives_the_same_numbers_on_any_number_of_threads(kind, mas
     """Blocks drawn and applied on threads (in any order) or one after another: the same steps bit for bit, with
     z kept or regenerated, the restore fused, weight decay and two learning rates, under every mask."""
     monkeypatch.setattr(spsa, "BLOCKS_BLOCK", 500)  # dozens of blocks, straddling parameters
+    monkeypatch.setattr(spsa, "DRAW_SLICE", 112)  # each block drawn and moved in slices, cut across parameters
     used = []
     real_pool = spsa._draw_pool
     monkeypatch.setattr(spsa, "_draw_pool", lambda: used.append(torch.get_num_threads()) or real_pool())

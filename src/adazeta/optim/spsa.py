@@ -15,7 +15,9 @@ default and the stream of earlier releases), ``flat`` (one call per 4 M entries 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Iterable, Iterator, Sequence
@@ -382,27 +384,112 @@ def _draw_pool() -> ThreadPoolExecutor | None:
         return _POOL[1]
 
 
+# A CPU pass draws a large block's noise this many entries at a time into a buffer of its thread's, and applies
+# each slice before drawing the next, so that z never leaves the core's cache: a pass is then one read and one
+# write of the weights. A CPU generator fills a tensor entry by entry (``normal_`` transforms groups of 16 and
+# redraws a tail that is not a multiple of 16), so slices of a multiple of 16 entries, the last one holding the
+# remainder, give the numbers of one call (``tests/test_noise_streams.py``). At most ``GRAIN_SIZE`` entries, so
+# that a slice's ops run on the calling thread and never fork torch's own threads (the blocks stream's pool).
+DRAW_SLICE = 1 << 15
+_LOCAL = threading.local()
+
+
+def _slices(numel: int) -> list[tuple[int, int]]:
+    """(start, entries) of consecutive slices of ``numel``: ``DRAW_SLICE`` each (a multiple of 16), the last one
+    with the remainder (never under 16 entries, so every slice takes ``normal_``'s vectorised path)."""
+    size = DRAW_SLICE
+    if size < 16 or size % 16:
+        raise ValueError(f"DRAW_SLICE={size} must be a positive multiple of 16")
+    cuts = [(start, min(size, numel - start)) for start in range(0, numel, size)]
+    if len(cuts) > 1 and cuts[-1][1] < 16:
+        _, tail = cuts.pop()
+        start, n = cuts.pop()
+        cuts.append((start, n + tail))
+    return cuts
+
+
+def _sliced(block: _Block) -> bool:
+    """Whether ``block`` is drawn and applied a slice at a time: a CPU block of more than two slices."""
+    return block.device.type == "cpu" and block.numel > 2 * DRAW_SLICE
+
+
+def _buffer(dtype: torch.dtype) -> torch.Tensor:
+    """This thread's reusable slice buffer for ``dtype``, with room for a last slice and its remainder."""
+    buffers = getattr(_LOCAL, "buffers", None)
+    if buffers is None:
+        buffers = _LOCAL.buffers = {}
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < DRAW_SLICE + 16:
+        buf = buffers[dtype] = torch.empty(DRAW_SLICE + 16, dtype=dtype)
+    return buf
+
+
+def _apply_sliced(layout: NoiseLayout, block: _Block, generator: torch.Generator, masks: _MaskPieces,
+                  apply: Callable[[list[int], list[torch.Tensor], list[torch.Tensor]], None]) -> None:
+    """``block``'s noise drawn from ``generator`` a slice at a time into this thread's buffer, each slice masked
+    and handed to ``apply`` with the parameter views it covers: the numbers of one call, no temporary the size
+    of the block. Every pass acts entry by entry, so cutting its pieces changes no number."""
+    buf = _buffer(block.dtype)
+    piece_starts = list(itertools.accumulate((n for _, _, n in block.pieces), initial=0))
+    for start, n in _slices(block.numel):
+        z = buf[:n]
+        z.normal_(generator=generator)
+        index: list[int] = []
+        views: list[torch.Tensor] = []
+        zs: list[torch.Tensor] = []
+        cut: list[tuple[int, int]] = []
+        k = bisect.bisect_right(piece_starts, start) - 1
+        offset = start
+        while offset < start + n:
+            i, first, size = block.pieces[k]
+            lo = offset - piece_starts[k]  # where this slice enters the piece
+            take = min(size - lo, start + n - offset)
+            index.append(i)
+            views.append(layout.flat[i][first + lo : first + lo + take])
+            zs.append(z[offset - start : offset - start + take])
+            cut.append((first + lo, take))
+            offset += take
+            k += 1
+        if masks.any:
+            masks.apply_(zs, index, cut)
+        apply(index, views, zs)
+
+
 def _each_draw(layout: NoiseLayout, seed: int, masks: Masks,
                apply: Callable[[list[int], list[torch.Tensor], list[torch.Tensor]], None]) -> None:
     """Draw z from ``seed``, masked, and hand each piece to ``apply(parameter indices, parameter views, z)``.
 
-    A chunk at a time in draw order, one chunk's noise alive at a time; or, for the ``blocks`` stream on a CPU,
-    each block drawn and applied on a thread of ``_draw_pool`` (one block's noise per thread). ``apply`` must
-    then act entry by entry, as every pass does: blocks are disjoint, so each entry sees the same operations in
-    the same order and the numbers do not depend on the number of threads.
+    A chunk at a time in draw order, one chunk's noise alive at a time, a large CPU block a slice at a time
+    (``DRAW_SLICE``); or, for the ``blocks`` stream on a CPU, each block drawn and applied on a thread of
+    ``_draw_pool``. ``apply`` must act entry by entry, as every pass does: blocks and slices are disjoint, so each
+    entry sees the same operations in the same order and the numbers depend neither on the slicing nor on the
+    number of threads.
     """
     streams, mask_pieces = _Streams(seed), _MaskPieces(layout, masks)
     pool = _draw_pool() if layout.threaded and not isinstance(masks, RandomMask) else None
     if pool is None:
         for chunk in layout.chunks():  # in draw order: the stream is the same however the chunks fall
-            apply(*_draw_chunk(layout, chunk, streams, mask_pieces))  # its noise freed before the next chunk's
+            run: list[_Block] = []  # consecutive blocks drawn together, in one multi-tensor op
+            for block in [*chunk, None]:
+                if block is not None and not _sliced(block):
+                    run.append(block)
+                    continue
+                if run:
+                    apply(*_draw_chunk(layout, run, streams, mask_pieces))  # its noise freed before the next's
+                    run = []
+                if block is not None:
+                    generator = streams.of_block(block) if layout.stream == "blocks" else streams.on(block.device)
+                    _apply_sliced(layout, block, generator, mask_pieces, apply)
         return
 
     grad_enabled = torch.is_grad_enabled()  # thread-local: the caller's (no_grad) is not the pool threads'
 
     def one(block: _Block) -> None:
-        with torch.set_grad_enabled(grad_enabled):
-            apply(*_draw_chunk(layout, [block], streams, mask_pieces))  # stored masks are only read: thread-safe
+        with torch.set_grad_enabled(grad_enabled):  # stored masks are only read: thread-safe
+            if _sliced(block):
+                _apply_sliced(layout, block, streams.of_block(block), mask_pieces, apply)
+            else:
+                apply(*_draw_chunk(layout, [block], streams, mask_pieces))
 
     futures = [pool.submit(one, block) for block in layout.blocks]
     wait(futures)  # every block done before any error is raised: no thread moves weights after the caller fails
