@@ -6,7 +6,11 @@ import argparse
 import csv
 import sys
 
+import pytest
+import torch
+
 from adazeta import bench
+from adazeta.optim.zo_sgd import ZOSGD
 
 
 def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
@@ -30,6 +34,12 @@ def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
     assert any(m == "dense matmul rate" for m, _ in ceiling)
     methods = {r["setting"].split(" ")[0] for r in rows if r["measurement"] == "ZO step / 2Q forwards"}
     assert methods == set(bench.ZO_METHODS)
+    # Each method's draws of z in a step: on this tiny model every trainable set's z fits the step's keep limit,
+    # so each draws it once (see below for a full model); the floor those draws put under a step is above 1.
+    draws = {r["setting"].split(" ")[0]: float(r["median"]) for r in rows if r["measurement"] == "draws of z per step"}
+    assert draws == dict.fromkeys(bench.ZO_METHODS, 1.0)
+    floors = [r for r in rows if r["measurement"].startswith("floor:")]
+    assert len(floors) == len(bench.ZO_METHODS) and all(float(r["min"]) > 1 for r in floors)
     for task in ("sst2", "rte"):
         assert sum(r["setting"].startswith(f"{task}, batch ") for r in rows if r["section"] == "scaling") == 4
     overhead = next(r for r in rows if r["measurement"] == "TT adapters' forward overhead")
@@ -41,6 +51,21 @@ def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
             assert 0 < float(r["min"]) <= float(r["median"]) <= float(r["max"])
     assert (tmp_path / "tiny-llama-cpu-fp32.md").read_text().startswith("| measurement |")
     assert "load_average_before" in (tmp_path / "tiny-llama-cpu-fp32.json").read_text()
+
+
+@pytest.mark.parametrize("keep,queries,estimator,expected",
+                         [(True, 1, "central", 1), (True, 3, "central", 3), (False, 1, "central", 3),
+                          (False, 2, "central", 8), (False, 1, "one_sided", 2)])
+def test_draws_of_z_are_counted_as_a_step_makes_them(keep, queries, estimator, expected, monkeypatch):
+    """z kept: one draw per query; regenerated (a full model): +eps, -2 eps, +eps and the update per query (one-
+    sided: +eps, -eps, update), the last restore fused into the update at Q = 1."""
+    monkeypatch.setattr(ZOSGD, "KEEP_DIRECTION_BYTES", 2**30 if keep else 0)
+    w = torch.nn.Parameter(torch.randn(50))
+    opt = ZOSGD([w], lr=1e-3, estimator=estimator)
+    before = w.detach().clone()
+    assert bench.noise_draws_per_step(opt, lambda: (w**2).sum(), queries) == expected
+    assert opt.state_step == 1 and not torch.equal(w, before)  # a real step ran
+    assert bench.spsa._each_draw.__name__ == "_each_draw"  # the counters are gone
 
 
 def test_memory_phase_reports_a_peak_above_its_baseline(fixture_data, monkeypatch):
