@@ -163,6 +163,40 @@ def test_adapter_bf16_in_bf16_out_with_fp32_params():
     torch.testing.assert_close(out.float(), adapter(h.bfloat16().float()), atol=0, rtol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adapter_forward_without_module_calls_is_the_module_formula(dtype):
+    """The adapter runs its layers' products directly, residual added in place: the numbers of
+    ``h + up(act(down(h)))`` through the modules, bit for bit, with and without autograd; a layer whose forward is
+    replaced (weight replicas) or hooked still runs through its module call."""
+    adapter = TTAdapter(16, 4, [4, 4, 2, 2], [2, 2, 4, 4], rank=3, activation="gelu",
+                        generator=torch.Generator().manual_seed(0))
+    h = torch.randn(2, 3, 16).to(dtype)
+
+    def formula():
+        x = h.float()
+        return (x + adapter.up(adapter.act(adapter.down(x)))).to(h.dtype)
+
+    with torch.no_grad():
+        assert torch.equal(adapter(h), formula())
+    out = adapter(h)
+    assert torch.equal(out, formula())
+    out.float().pow(2).sum().backward()
+    grads = [p.grad.clone() for p in adapter.parameters()]
+    adapter.zero_grad()
+    formula().float().pow(2).sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, adapter.parameters()))
+
+    calls = []
+    adapter.up.forward = lambda x: calls.append("replaced") or adapter.up.product(x)
+    adapter(h)
+    del adapter.up.forward
+    handle = adapter.down.register_forward_hook(lambda *_: calls.append("hooked"))
+    adapter(h)
+    handle.remove()
+    adapter(h)
+    assert calls == ["replaced", "hooked"]
+
+
 def test_adapted_linear_positions():
     base = torch.nn.Linear(8, 4)
     for position, features in (("input", 8), ("output", 4)):
