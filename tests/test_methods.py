@@ -405,7 +405,9 @@ def test_memory_estimate_per_method():
     for m in FO_METHODS:  # backward runs through every frozen layer too
         assert est[m]["activations"] == est["ft"]["activations"] > 10 * inference["activations"], m
         assert est[m]["gradients"] > 0 and est[m]["optimizer_state"] == pytest.approx(2 * est[m]["gradients"], abs=2e-3)
-    assert est["sparse_mezo"]["optimizer_state"] == pytest.approx(134_515_008 / 2**30, abs=1e-3)  # a bool per weight
+    assert est["sparse_mezo"]["optimizer_state"] == pytest.approx(134_515_008 / 8 / 2**30, abs=1e-3)  # a bit a weight
+    random_mask = _estimate("sparse_mezo", "method.optimizer.mask=random")
+    assert random_mask["optimizer_state"] == 0  # redrawn every step, never kept
     assert est["mezo"]["optimizer_state"] == 0 and est["mezo"]["zo_noise"] > 0
     assert est["adazeta"]["total"] <= 1.1 * inference["total"]
     assert est["ft"]["total"] > 3 * inference["total"]

@@ -33,7 +33,9 @@ def memory_estimate(
     about two layers' worth at a time (times ``query_chunk`` with batched queries, whose forward replicates the
     minibatch). Trained backbone weights (ft, mezo) keep the backbone's dtype, adapters are fp32; gradients
     and AdamW's two moments take the trained parameters' dtype. A ZO step adds one noise tensor shaped like the
-    largest trained parameter (``largest`` entries); Sparse-MeZO keeps a boolean mask.
+    largest trained parameter (``largest`` entries), as it draws z on a GPU (a CPU draws a large weight's z a
+    32 K-entry slice at a time, so this is its upper bound there); Sparse-MeZO's magnitude mask is one bit per
+    entry (its random mask is redrawn, never kept).
     """
     from adazeta.optim.first_order import AdamWConfig
     from adazeta.optim.sparse_mezo import SparseZOSGDConfig
@@ -61,8 +63,8 @@ def memory_estimate(
     state = 0
     if isinstance(cfg, AdamWConfig):
         state = trainable * 2 * trained_width  # exp_avg and exp_avg_sq
-    elif isinstance(cfg, SparseZOSGDConfig):
-        state = trainable  # one bool per entry
+    elif isinstance(cfg, SparseZOSGDConfig) and cfg.mask == "magnitude":
+        state = trainable / 8  # one bit per entry (adazeta.optim.spsa.PackedMask)
     noise = largest * trained_width if zeroth_order else 0
     parts = {
         "weights": weights, "activations": activations, "gradients": grads, "optimizer_state": state, "zo_noise": noise,
