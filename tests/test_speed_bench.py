@@ -42,11 +42,15 @@ def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
     assert len(floors) == len(bench.ZO_METHODS) and all(float(r["min"]) > 1 for r in floors)
     for task in ("sst2", "rte"):
         assert sum(r["setting"].startswith(f"{task}, batch ") for r in rows if r["section"] == "scaling") == 4
+    alone = {r["measurement"]: r for r in rows if r["measurement"].startswith("TT adapters alone")}
+    assert set(alone) == {"TT adapters alone", "TT adapters alone / plain forward"}
+    assert int(alone["TT adapters alone"]["setting"].split(" ")[0]) >= 2  # every adapter of the tiny Llama's layers
+    assert 0 < float(alone["TT adapters alone / plain forward"]["median"]) < 1
     overhead = next(r for r in rows if r["measurement"] == "TT adapters' forward overhead")
     assert overhead["runs"] == "3" and overhead["setting"].endswith("3 pairs")  # its own rounds, a ratio per pair
     assert ("evaluation speed-up", "batched / one example at a time") in settings
     for r in rows:
-        assert r["runs"] in ("1", "2") or r is overhead
+        assert r["runs"] in ("1", "2") or r is overhead or r["measurement"].startswith("TT adapters alone")
         if r["unit"] != "x":  # times and throughputs: positive, median within [min, max]
             assert 0 < float(r["min"]) <= float(r["median"]) <= float(r["max"])
     assert (tmp_path / "tiny-llama-cpu-fp32.md").read_text().startswith("| measurement |")

@@ -55,8 +55,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from adazeta.bench_memory import _reset_rss_peak, _status_kib
+from adazeta.adapters.tt import TTAdapter
 from adazeta.evaluate import evaluate
 from adazeta.models import LoadedModel, ModelSource, architecture_config, load_model, resolve_device
 from adazeta.offline import use_shared
@@ -390,6 +392,7 @@ def measure_speed(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     overhead = pairs["adapted"].over(pairs["plain"])
     report.add("forward", "TT adapters' forward overhead", f"adapted / plain - 1, {overhead.runs} pairs",
                Stats.of([x - 1 for x in overhead.samples]), "x")
+    measure_adapters_alone(args, report, adapted_model, batch, pairs["plain"])
     measure_methods(args, report, plain, batch)
     del model, plain
     model = adapted_model
@@ -434,6 +437,38 @@ def measure_speed(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     report.add("evaluation", "evaluation speed-up", "batched / one example at a time", one.over(batched), "x")
     measure_eval_ceiling(report, model, eval_sets, stats, device, r)
     return info
+
+
+def measure_adapters_alone(args: argparse.Namespace, report: Report, model: torch.nn.Module, batch: Any,
+                           plain: Stats) -> None:
+    """The TT adapters' own time in a forward, without the forward's noise around it: every adapter run on the
+    input it saw in one adapted forward of ``batch``, one after another, against the plain forward's time. Each
+    input is a copy, so caches may be colder than inside the forward: an upper bound, beside the pairs' ratio."""
+    adapters = [m for m in model.modules() if isinstance(m, TTAdapter)]
+    if not adapters:
+        return
+    inputs: dict[nn.Module, torch.Tensor] = {}
+    hooks = [a.register_forward_pre_hook(lambda m, a: inputs.setdefault(m, a[0].detach().clone()))
+             for a in adapters]
+    try:
+        with torch.inference_mode():
+            batch_loss(model, batch, "causal")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    captured = [(a, inputs[a]) for a in adapters if a in inputs]
+
+    def run_all() -> None:
+        for adapter, x in captured:
+            adapter(x)
+
+    with torch.inference_mode():
+        alone = timed({"alone": run_all}, batch.input_ids.device, max(args.overhead_pairs, args.repeats),
+                      args.warmup)["alone"]
+    setting = f"{len(captured)} adapters on their inputs of one forward"
+    report.add("forward", "TT adapters alone", setting, alone, "s")
+    report.add("forward", "TT adapters alone / plain forward", setting,
+               Stats.of([x / plain.median for x in alone.samples]), "x")
 
 
 def layer_flops_per_token(model: torch.nn.Module) -> float:
@@ -654,6 +689,9 @@ def verdicts(report: Report, args: argparse.Namespace) -> list[str]:
         if r["measurement"] == "TT adapters' forward overhead":
             out.append(f"TT adapters' forward overhead {100 * r['median']:+.1f} % "
                        f"(min {100 * r['min']:+.1f} %; target <= {100 * TARGETS['tt_overhead']:.0f} %)")
+        if r["measurement"] == "TT adapters alone / plain forward":
+            out.append(f"TT adapters alone: {100 * r['median']:.1f} % of the plain forward "
+                       f"(min {100 * r['min']:.1f} %; target <= {100 * TARGETS['tt_overhead']:.0f} %)")
         if r["measurement"] == "evaluation speed-up":
             out.append(f"evaluation, batched / one at a time: {r['median']:.2f}x (target >= {TARGETS['eval_speedup']})")
         if r["section"] == "methods" and r["measurement"] == "ZO step / 2Q forwards":
