@@ -448,8 +448,8 @@ def measure_adapters_alone(args: argparse.Namespace, report: Report, model: torc
     if not adapters:
         return
     inputs: dict[nn.Module, torch.Tensor] = {}
-    hooks = [a.register_forward_pre_hook(lambda m, a: inputs.setdefault(m, a[0].detach().clone()))
-             for a in adapters]
+    hooks = [adapter.register_forward_pre_hook(lambda m, args: inputs.setdefault(m, args[0].detach().clone()))
+             for adapter in adapters]
     try:
         with torch.inference_mode():
             batch_loss(model, batch, "causal")

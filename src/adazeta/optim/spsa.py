@@ -15,9 +15,7 @@ default and the stream of earlier releases), ``flat`` (one call per 4 M entries 
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Iterable, Iterator, Sequence
@@ -73,6 +71,10 @@ class _Streams:
     def of_block(self, block: "_Block") -> torch.Generator:
         """The ``blocks`` stream's generator for ``block``, seeded from (seed, the block's place in the layout)."""
         return torch.Generator(device=block.device).manual_seed(block_seed(self.seed, block.ordinal))
+
+    def drawing(self, block: "_Block", stream: str) -> torch.Generator:
+        """The generator that draws ``block`` in ``stream``: its own (``blocks``), else its device's stream."""
+        return self.of_block(block) if stream == "blocks" else self.on(block.device)
 
 
 class RandomMask:
@@ -326,26 +328,48 @@ class _MaskPieces:
             torch._foreach_mul_([z for z, _ in dense], [m for _, m in dense])
 
 
+class _Pieces:
+    """What a pass hands to ``apply``: each parameter piece's index, its view and its z, with the piece's place
+    in its parameter (``cut``: first entry, entries) for the masks."""
+
+    def __init__(self) -> None:
+        self.index: list[int] = []
+        self.views: list[torch.Tensor] = []
+        self.zs: list[torch.Tensor] = []
+        self.cut: list[tuple[int, int]] = []
+
+    def add(self, layout: NoiseLayout, block: _Block, start: int, z: torch.Tensor) -> None:
+        """The pieces of ``block``'s entries ``start .. start + z.numel()``, whose noise is ``z``."""
+        end, offset = start + z.numel(), 0  # offset: where the piece starts in the block
+        for i, first, n in block.pieces:
+            lo, hi = max(start, offset), min(end, offset + n)
+            if lo < hi:
+                flat = layout.flat[i]
+                a, b = first + lo - offset, first + hi - offset
+                self.index.append(i)
+                self.views.append(flat if b - a == flat.numel() else flat[a:b])
+                self.zs.append(z[lo - start : hi - start])
+                self.cut.append((a, b - a))
+            offset += n
+            if offset >= end:
+                break
+
+    def masked(self, masks: _MaskPieces) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+        """(parameter indices, views, z) with z masked. z is drawn in full whatever the mask, so that it is the
+        same under any mask and the stream stays aligned."""
+        if masks.any:
+            masks.apply_(self.zs, self.index, self.cut)
+        return self.index, self.views, self.zs
+
+
 def _draw_chunk(
     layout: NoiseLayout, chunk: Sequence[_Block], streams: _Streams, masks: _MaskPieces
 ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
     """(parameter index, parameter view, z) of every piece of ``chunk``: its noise drawn, in order, and masked."""
-    index: list[int] = []
-    views: list[torch.Tensor] = []
-    zs: list[torch.Tensor] = []
-    cut: list[tuple[int, int]] = []
+    pieces = _Pieces()
     for block, z in zip(chunk, _draw_blocks(layout, chunk, streams)):
-        parts = [z] if len(block.pieces) == 1 else z.split([n for _, _, n in block.pieces])
-        for (i, start, n), part in zip(block.pieces, parts):
-            flat = layout.flat[i]
-            index.append(i)
-            views.append(flat if n == flat.numel() else flat[start : start + n])
-            zs.append(part)
-            cut.append((start, n))
-    if masks.any:
-        # Drawn in full whatever the mask, so that z is the same under any mask and the stream stays aligned.
-        masks.apply_(zs, index, cut)
-    return index, views, zs
+        pieces.add(layout, block, 0, z)
+    return pieces.masked(masks)
 
 
 def _randn(block: _Block, generator: torch.Generator) -> torch.Tensor:
@@ -355,9 +379,9 @@ def _randn(block: _Block, generator: torch.Generator) -> torch.Tensor:
 def _draw_blocks(layout: NoiseLayout, chunk: Sequence[_Block], streams: _Streams) -> list[torch.Tensor]:
     """The draw of each block of ``chunk``: in order from the device's stream, or (``blocks``) each from its own
     generator, on several threads where the chunk is on a CPU and torch may use more than one."""
+    generators = [streams.drawing(block, layout.stream) for block in chunk]
     if layout.stream != "blocks":
-        return [_randn(block, streams.on(block.device)) for block in chunk]
-    generators = [streams.of_block(block) for block in chunk]
+        return [_randn(block, gen) for block, gen in zip(chunk, generators)]
     pool = _draw_pool() if len(chunk) > 1 and chunk[0].device.type == "cpu" else None
     if pool is None:
         return [_randn(block, gen) for block, gen in zip(chunk, generators)]
@@ -430,29 +454,12 @@ def _apply_sliced(layout: NoiseLayout, block: _Block, generator: torch.Generator
     and handed to ``apply`` with the parameter views it covers: the numbers of one call, no temporary the size
     of the block. Every pass acts entry by entry, so cutting its pieces changes no number."""
     buf = _buffer(block.dtype)
-    piece_starts = list(itertools.accumulate((n for _, _, n in block.pieces), initial=0))
     for start, n in _slices(block.numel):
         z = buf[:n]
         z.normal_(generator=generator)
-        index: list[int] = []
-        views: list[torch.Tensor] = []
-        zs: list[torch.Tensor] = []
-        cut: list[tuple[int, int]] = []
-        k = bisect.bisect_right(piece_starts, start) - 1
-        offset = start
-        while offset < start + n:
-            i, first, size = block.pieces[k]
-            lo = offset - piece_starts[k]  # where this slice enters the piece
-            take = min(size - lo, start + n - offset)
-            index.append(i)
-            views.append(layout.flat[i][first + lo : first + lo + take])
-            zs.append(z[offset - start : offset - start + take])
-            cut.append((first + lo, take))
-            offset += take
-            k += 1
-        if masks.any:
-            masks.apply_(zs, index, cut)
-        apply(index, views, zs)
+        pieces = _Pieces()
+        pieces.add(layout, block, start, z)
+        apply(*pieces.masked(masks))
 
 
 def _each_draw(layout: NoiseLayout, seed: int, masks: Masks,
@@ -478,8 +485,7 @@ def _each_draw(layout: NoiseLayout, seed: int, masks: Masks,
                     apply(*_draw_chunk(layout, run, streams, mask_pieces))  # its noise freed before the next's
                     run = []
                 if block is not None:
-                    generator = streams.of_block(block) if layout.stream == "blocks" else streams.on(block.device)
-                    _apply_sliced(layout, block, generator, mask_pieces, apply)
+                    _apply_sliced(layout, block, streams.drawing(block, layout.stream), mask_pieces, apply)
         return
 
     grad_enabled = torch.is_grad_enabled()  # thread-local: the caller's (no_grad) is not the pool threads'
