@@ -17,7 +17,7 @@ def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
     monkeypatch.setenv("ADAZETA_DATA_DIR", str(fixture_data))
     argv = ["bench.py", "--model", "tiny-llama", "--repeats", "2", "--warmup", "0", "--queries", "1", "2",
             "--chunks", "3", "--eval-examples", "6", "--eval-batch-size", "4", "--skip-memory", "--out", str(tmp_path),
-            "--scaling-sizes", "2", "4", "--overhead-pairs", "3"]
+            "--scaling-sizes", "2", "4", "--overhead-pairs", "3", "--overhead-long-pairs", "2"]
     monkeypatch.setattr(sys, "argv", argv)
     bench.main()
     with open(tmp_path / "tiny-llama-cpu-fp32.csv") as f:
@@ -46,8 +46,10 @@ def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
     assert set(alone) == {"TT adapters alone", "TT adapters alone / plain forward"}
     assert int(alone["TT adapters alone"]["setting"].split(" ")[0]) >= 2  # every adapter of the tiny Llama's layers
     assert 0 < float(alone["TT adapters alone / plain forward"]["median"]) < 1
-    overhead = next(r for r in rows if r["measurement"] == "TT adapters' forward overhead")
+    overheads = [r for r in rows if r["measurement"] == "TT adapters' forward overhead"]
+    overhead = overheads[0]
     assert overhead["runs"] == "3" and overhead["setting"].endswith("3 pairs")  # its own rounds, a ratio per pair
+    assert [r["setting"].split(" ")[0] for r in overheads] == ["SST-2", "RTE"] and overheads[1]["runs"] == "2"
     assert ("evaluation speed-up", "batched / one example at a time") in settings
     for r in rows:
         assert r["runs"] in ("1", "2") or r is overhead or r["measurement"].startswith("TT adapters alone")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorly as tl
 import torch
+import torch.nn.functional as F
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
@@ -520,3 +521,63 @@ def test_a_lone_layer_contracts_its_own_cores():
     with torch.no_grad():
         assert torch.equal(layer.factors()[0], a.t())  # its own contraction: the same products
     assert isinstance(_adapted_tiny_llama()[1][0]._group[0], TTFactorGroup)
+
+
+def _unfolded(adapter: TTAdapter, h: torch.Tensor) -> torch.Tensor:
+    """The adapter's formula through its layers' plain products (bias added by the product, residual after)."""
+    x = h.float()
+    return adapter.up.product(adapter.act(adapter.down.product(x))).add_(x).to(h.dtype)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_folded_forward_equals_the_unfolded_products(activation, dtype):
+    """Without autograd a grouped adapter runs its layers' folded factors (biases inside the products, the
+    residual inside the last): the numbers of the unfolded products, on SmolLM2's shapes and a small one."""
+    for features, bottleneck, down, up in [(576, 64, [8, 8, 9, 4, 4, 4], [4, 4, 4, 8, 8, 9]),
+                                           (16, 4, [4, 4, 2, 2], [2, 2, 4, 4])]:
+        adapters = torch.nn.ModuleList(TTAdapter(features, bottleneck, down, up, rank=5, activation=activation,
+                                                 generator=torch.Generator().manual_seed(i)) for i in range(3))
+        assert group_tt_layers(adapters) == 2
+        h = torch.randn(2, 7, features).to(dtype)
+        for adapter in adapters:
+            with torch.no_grad():
+                folded = adapter(h)
+                unfolded = _unfolded(adapter, h)
+            assert folded.dtype == dtype and folded.shape == h.shape
+            torch.testing.assert_close(folded.float(), unfolded.float(), atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(folded.float(), adapter(h).detach().float(), atol=1e-6, rtol=1e-6)  # autograd
+
+
+def test_folded_factors_hold_the_factors_and_follow_the_bias():
+    model, layers = _adapted_tiny_llama()
+    layer = layers[1]
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad():
+        a1, e, b1 = layer.folded()
+        a_t, b_t = layer.factors()
+        assert torch.equal(a1[:-1], a_t) and not a1[-1].any() and torch.equal(e, torch.eye(len(e))[-1])
+        assert torch.equal(b1[:, :-1], b_t) and torch.equal(b1[:, -1], layer.bias)
+        torch.testing.assert_close(F.linear(F.linear(x, a1, e), b1), layer.product(x), atol=1e-6, rtol=1e-6)
+        layer.bias.add_(1.0)  # a bias changed alone (a ZO perturbation of the bias, an optimizer step)
+        assert torch.equal(layer.folded()[2][:, -1], layer.bias)
+        layer.cores[0].mul_(2.0)
+        assert torch.equal(layer.folded()[0][:-1], layer.factors()[0])
+        ids = torch.randint(0, 100, (2, 5))
+        grouped = model(ids).logits
+    torch.testing.assert_close(grouped, model(ids).logits.detach(), atol=1e-5, rtol=1e-5)  # autograd: own products
+    assert TTLinear(12, 8, [3, 4, 2, 4], rank=2).folded() is None  # a lone layer has no group to fold in
+
+
+def test_adapted_linear_calls_a_hooked_adapter_as_a_module():
+    model, _ = _adapted_tiny_llama()
+    site = next(m for m in model.modules() if isinstance(m, AdaptedLinear))
+    x = torch.randn(2, site.in_features)
+    calls = []
+    handle = site.adapter.register_forward_hook(lambda *_: calls.append("hook"))
+    with torch.no_grad():
+        hooked = site(x)
+    handle.remove()
+    with torch.no_grad():
+        plain = site(x)
+    assert calls == ["hook"] and torch.equal(hooked, plain)
