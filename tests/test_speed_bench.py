@@ -46,13 +46,18 @@ def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
     assert set(alone) == {"TT adapters alone", "TT adapters alone / plain forward"}
     assert int(alone["TT adapters alone"]["setting"].split(" ")[0]) >= 2  # every adapter of the tiny Llama's layers
     assert 0 < float(alone["TT adapters alone / plain forward"]["median"]) < 1
+    in_place = {r["measurement"]: r for r in rows if r["measurement"].startswith("TT adapters in place")}
+    assert set(in_place) == {"TT adapters in place", "TT adapters in place / plain forward"}
+    assert in_place["TT adapters in place"]["runs"] == "5"  # at least 5 forwards, whatever --repeats
+    assert 0 < float(in_place["TT adapters in place / plain forward"]["median"]) < 1
     overheads = [r for r in rows if r["measurement"] == "TT adapters' forward overhead"]
     overhead = overheads[0]
     assert overhead["runs"] == "3" and overhead["setting"].endswith("3 pairs")  # its own rounds, a ratio per pair
     assert [r["setting"].split(" ")[0] for r in overheads] == ["SST-2", "RTE"] and overheads[1]["runs"] == "2"
     assert ("evaluation speed-up", "batched / one example at a time") in settings
     for r in rows:
-        assert r["runs"] in ("1", "2") or r is overhead or r["measurement"].startswith("TT adapters alone")
+        assert r["runs"] in ("1", "2") or r is overhead or r["measurement"].startswith(("TT adapters alone",
+                                                                                        "TT adapters in place"))
         if r["unit"] != "x":  # times and throughputs: positive, median within [min, max]
             assert 0 < float(r["min"]) <= float(r["median"]) <= float(r["max"])
     assert (tmp_path / "tiny-llama-cpu-fp32.md").read_text().startswith("| measurement |")
