@@ -54,10 +54,13 @@ def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
     overhead = overheads[0]
     assert overhead["runs"] == "3" and overhead["setting"].endswith("3 pairs")  # its own rounds, a ratio per pair
     assert [r["setting"].split(" ")[0] for r in overheads] == ["SST-2", "RTE"] and overheads[1]["runs"] == "2"
+    unfolded = next(r for r in rows if r["measurement"] == "TT adapters' forward overhead, unfolded products")
+    assert unfolded["runs"] == "3" and bench.tt.FOLD  # the ablation's rounds; the folded forward is back on after
+    gain = next(r for r in rows if r["measurement"] == "TT adapters' forward, folded / unfolded products")
     assert ("evaluation speed-up", "batched / one example at a time") in settings
     for r in rows:
-        assert r["runs"] in ("1", "2") or r is overhead or r["measurement"].startswith(("TT adapters alone",
-                                                                                        "TT adapters in place"))
+        assert r["runs"] in ("1", "2") or r in (overhead, unfolded, gain) or r["measurement"].startswith(
+            ("TT adapters alone", "TT adapters in place"))
         if r["unit"] != "x":  # times and throughputs: positive, median within [min, max]
             assert 0 < float(r["min"]) <= float(r["median"]) <= float(r["max"])
     assert (tmp_path / "tiny-llama-cpu-fp32.md").read_text().startswith("| measurement |")

@@ -581,3 +581,20 @@ def test_adapted_linear_calls_a_hooked_adapter_as_a_module():
     with torch.no_grad():
         plain = site(x)
     assert calls == ["hook"] and torch.equal(hooked, plain)
+
+
+def test_fold_off_runs_the_unfolded_products(monkeypatch):
+    from adazeta.adapters import tt
+
+    adapters = torch.nn.ModuleList(TTAdapter(16, 4, [4, 4, 2, 2], [2, 2, 4, 4], rank=3,
+                                             generator=torch.Generator().manual_seed(i)) for i in range(2))
+    group_tt_layers(adapters)
+    h = torch.randn(3, 16)
+    folded = []
+    monkeypatch.setattr(TTAdapter, "_folded_forward", lambda self, x: folded.append(1) or _unfolded(self, x))
+    with torch.no_grad():
+        adapters[0](h)
+        monkeypatch.setattr(tt, "FOLD", False)
+        off = adapters[0](h)
+        assert torch.equal(off, _unfolded(adapters[0], h))
+    assert folded == [1]  # only the call with FOLD on took the folded path

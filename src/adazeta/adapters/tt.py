@@ -23,6 +23,9 @@ from adazeta.tensor.tt import default_shape, init_cores, split_index, tt_factors
 # reference: the AdaZeta reference code's init, not the identity at step 0; identity: the last `up` core and
 # the `up` bias start at zero, so the adapted model equals the backbone at step 0 (as LoRA's B = 0 does).
 INITS = ("reference", "identity")
+# Without autograd, an adapter whose layers are grouped runs from their folded factors (TTAdapter._folded_forward);
+# False runs the unfolded products instead: the same numbers, kept so that the benchmark can time both.
+FOLD = True
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {
     "relu": nn.ReLU,
@@ -321,7 +324,7 @@ class TTAdapter(nn.Module):
         if _called_as_module(down) or _called_as_module(up):
             # A layer with a forward of its own (weight replicas: adazeta.optim.batched) or with hooks.
             return (x + up(self.act(down(x)))).to(h.dtype)
-        if not torch.is_grad_enabled() and down._group is not None and up._group is not None:
+        if FOLD and not torch.is_grad_enabled() and down._group is not None and up._group is not None:
             return self._folded_forward(x).to(h.dtype)
         # The same products without the two layers' module calls, and the residual added into the last one's
         # fresh output: the same numbers (x + y == y + x), an allocation and two calls fewer per adapter.
