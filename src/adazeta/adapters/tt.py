@@ -229,15 +229,18 @@ class TTFactorGroup:
         self._stacked: tuple[Tensor, Tensor] | None = None  # the factors of all layers, (G, r, in) and (G, out, r)
         self._folded: list[tuple[Tensor, Tensor, Tensor]] | None = None
 
-    def factors(self, index: int) -> tuple[Tensor, Tensor]:
+    def _refresh(self, index: int) -> None:
+        """Contract again if a core or the bias of layer ``index`` changed since the last contraction."""
         if self._states is None or self._states[index] != _layer_state(self.layers[index]):
             self._contract()
+
+    def factors(self, index: int) -> tuple[Tensor, Tensor]:
+        self._refresh(index)
         return self._factors[index]
 
     def folded(self, index: int) -> tuple[Tensor, Tensor, Tensor]:
         """``TTLinear.folded`` of layer ``index``: built for the whole group from its factors, once per contraction."""
-        if self._states is None or self._states[index] != _layer_state(self.layers[index]):
-            self._contract()
+        self._refresh(index)
         if self._folded is None:
             self._fold()
         return self._folded[index]
@@ -254,7 +257,7 @@ class TTFactorGroup:
     @torch.no_grad()
     def _fold(self) -> None:
         a_t, b_t = self._stacked
-        bias = torch.stack([layer.bias for layer in self.layers]).to(b_t.dtype)  # (G, out)
+        bias = torch.stack([layer.bias for layer in self.layers])  # (G, out)
         a1 = torch.cat([a_t, a_t.new_zeros(a_t.shape[0], 1, a_t.shape[2])], dim=1)  # (G, r + 1, in)
         e = a_t.new_zeros(a_t.shape[1] + 1)
         e[-1] = 1
