@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 
 from adazeta import cli
 from helpers import tiny_overrides
@@ -105,6 +106,28 @@ def test_bad_input_is_one_line_and_exit_2(overrides, message, fixture_data, tmp_
     assert len(lines) == 1 and lines[0].startswith("adazeta-run: error: "), err
     assert message in lines[0], lines[0]
     assert not (tmp_path / "run" / "result.json").exists()  # nothing ran, nothing recorded
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible here")
+def test_a_cuda_device_that_is_not_there_stops_before_the_data_is_read(fixture_data, tmp_path, monkeypatch, capsys):
+    """model.device=cuda without a GPU: one line, checked first (a missing data folder is not reached)."""
+    args = [*tiny_overrides(fixture_data), "model.device=cuda", "data.dir=/nonexistent/data",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    code, err = run_cli(monkeypatch, capsys, args)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert "model.device='cuda' but no CUDA device is visible; use model.device=auto or cpu" in lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible here")
+def test_a_dry_run_for_a_gpu_says_the_run_would_stop_here(fixture_data, tmp_path, monkeypatch, capsys):
+    """A dry run still counts and estimates (planning a GPU run elsewhere), and says this machine has no GPU."""
+    monkeypatch.setattr(sys, "argv", ["adazeta-run", *tiny_overrides(fixture_data), "model.device=cuda",
+                                      "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"])
+    cli.main()
+    out = capsys.readouterr().out
+    assert "memory estimate" in out
+    assert "placement        model.device='cuda' but no CUDA device is visible here: the run would stop" in out
 
 
 def test_a_sweep_runs_its_valid_points_and_sums_up_the_rest(fixture_data, tmp_path, monkeypatch, capsys):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import csv
+import shlex
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from adazeta import bench
+from adazeta.dryrun import dry_run
 from adazeta.optim.zo_sgd import ZOSGD
 
 
@@ -140,3 +143,41 @@ def test_reference_forward_is_the_reference_loss():
         reference = bench.reference_zo_forward(loaded.model, items, loaded.tokenizer.pad_token_id,
                                                torch.device("cpu"))
     torch.testing.assert_close(reference, ours, atol=1e-5, rtol=1e-5)
+
+
+def gpu_script_runs(out: str) -> list[tuple[int, str, list[str]]]:
+    """``(limit_s, name, bench arguments)`` of each ``run`` line of scripts/bench_gpu.sh, with its variables."""
+    text = (Path(__file__).parents[1] / "scripts" / "bench_gpu.sh").read_text().replace("\\\n", " ")
+    common = next(shlex.split(line.split("(", 1)[1].rsplit(")", 1)[0])
+                  for line in text.splitlines() if line.startswith("COMMON=("))
+    runs = []
+    for line in text.splitlines():
+        if line.startswith("run "):
+            _, limit, name, *rest = shlex.split(line)
+            args = [a for r in rest for a in (common if r == "${COMMON[@]}" else [r])]
+            runs.append((int(limit), name, [out if a == "$OUT" else a for a in args]))
+    return runs
+
+
+def test_the_gpu_script_asks_for_what_the_bench_knows(monkeypatch, tmp_path):
+    """scripts/bench_gpu.sh runs where a GPU is lent, rarely and against a clock: every one of its command lines
+    must parse, compose to the settings of a run for each of its methods, and name the models it means (a ~1.1 B
+    Llama; SmolLM2's architecture with random weights), all inside its time limits."""
+    runs = gpu_script_runs(str(tmp_path))
+    assert [name for _, name, _ in runs] == ["smollm2", "smollm2-flat", "llama-1b"]
+    assert sum(limit for limit, _, _ in runs) <= 360  # the script promises at most 6 minutes
+    parser = bench.build_parser()
+    for _, name, argv in runs:
+        args = parser.parse_args(argv)
+        assert (args.device, args.dtype, args.out) == ("cuda", "bf16", tmp_path) and bench.random_weights(args)
+        monkeypatch.setattr(bench, "NOISE", args.noise)
+        for method in args.methods:
+            s = bench.settings_for(args, method)
+            assert s.model.random_init and s.model.device == "cuda" and s.optimizer.config.noise == args.noise
+        assert bench.settings_for(args, "tt_adapter").optimizer.kind == "adamw"  # the first-order row
+        for chunk in args.chunks:
+            assert bench.settings_for(args, extra=bench.zo_variant(True, chunk)).optimizer.config.query_chunk == chunk
+        if args.model == "llama-1b-random":
+            record = dry_run(bench.settings_for(args))
+            assert 1.0e9 < record["total_params"] < 1.25e9 and record["adapters"] == 3 * bench.LLAMA_1B[
+                "num_hidden_layers"]

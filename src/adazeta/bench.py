@@ -772,7 +772,8 @@ def verdicts(report: Report, args: argparse.Namespace) -> list[str]:
     return out
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's options (``scripts/bench_gpu.sh`` passes these; a test parses its command lines)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="backbone dtype; adapters stay fp32")
@@ -808,7 +809,11 @@ def main() -> None:
     parser.add_argument("--skip-reference", action="store_true", help="skip the reference computation's forward")
     parser.add_argument("--out", type=Path, default=Path("results", "bench"))
     parser.add_argument("--phase", help=argparse.SUPPRESS)  # internal: one memory phase, e.g. adazeta_batched:4
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     global NOISE, QUERY_MEMORY
     NOISE, QUERY_MEMORY = args.noise, args.query_memory
     use_shared()

@@ -143,7 +143,12 @@ def dry_run(s: "Settings") -> dict[str, Any]:
     print(f"adapters         {record['adapters']}")
     est = record["memory_estimate_gib"]
     forward_only = s.optimizer is None or isinstance(s.optimizer.config, ZOSGDConfig)
-    record["placement"] = placement(est, visible_gpus(), s.model.device_map, forward_only)
+    gpus = visible_gpus()
+    if s.model.device.startswith("cuda") and not gpus:
+        record["placement"] = {"fits": "no", "advice": f"model.device={s.model.device!r} but no CUDA device is visible "
+                                                       "here: the run would stop; use model.device=auto or cpu"}
+    else:
+        record["placement"] = placement(est, gpus, s.model.device_map, forward_only)
     print(
         "memory estimate  "
         + ", ".join(f"{k} {v:.2f} GiB" for k, v in est.items())

@@ -36,6 +36,7 @@ from adazeta.models import (
     count_parameters,
     device_map_of,
     load_model,
+    resolve_device,
     resolve_source,
 )
 from adazeta.optim import OPTIMIZERS, check_contract, zeroth_order
@@ -99,6 +100,7 @@ def preflight(s: Settings) -> None:
             )
     if s.dry_run:
         return
+    resolve_device(s.model.device)  # model.device=cuda on a machine without one: stop before any data is read
     resolve_source(s.model)
     use = train_use(s)
     needed_by = None if use is None else f"method {s.method!r} needs the train split {use}"
