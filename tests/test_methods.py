@@ -26,7 +26,7 @@ from adazeta.dryrun import memory_estimate
 from adazeta.errors import ConfigError
 from adazeta.icl import DemonstrationConfig, demonstration_text, fits_in, prepend_demonstrations, sample_demonstrations
 from adazeta.models import byte_tokenizer, count_parameters, load_model
-from adazeta.optim import OPTIMIZERS
+from adazeta.optim import OPTIMIZERS, spsa
 from adazeta.optim.sparse_mezo import (SparseZOSGD, SparseZOSGDConfig, kth_smallest_abs, magnitude_mask,
                                        packed_magnitude_mask)
 from adazeta.optim.batched import replica_weights
@@ -493,6 +493,22 @@ def test_packed_masks_unpack_to_the_same_entries_from_any_start(shape):
     for start, n in [(0, 1), (3, 11), (flat.numel() - 5, 5), (flat.numel() // 2 + 1, flat.numel() // 3)]:
         if 0 <= start and start + n <= flat.numel():
             assert torch.equal(packed.unpack(start, n), flat[start : start + n])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_mask_products_are_the_bool_products_bit_for_bit(dtype, monkeypatch):
+    """mul_into_ (a byte table for whole bytes, unpacked bools at the ragged ends) from any start, across slices:
+    the numbers of z * mask, signed zeros included."""
+    monkeypatch.setattr(spsa, "MASK_SLICE", 64)  # many slices, a short last one
+    g = torch.Generator().manual_seed(5)
+    mask = torch.rand(1000, generator=g) < 0.4
+    packed = PackedMask.pack(mask)
+    for start, n in [(0, 1000), (0, 7), (3, 5), (5, 300), (8, 640), (13, 987), (999, 1), (16, 0)]:
+        z = torch.randn(n, generator=g).to(dtype)
+        expected = z * mask[start : start + n]
+        packed.mul_into_(z, start)
+        assert torch.equal(z.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), (start, n)
 
 
 @pytest.mark.parametrize("numel", [10, 4096, 2**20 * 3 + 7])

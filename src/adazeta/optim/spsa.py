@@ -115,6 +115,16 @@ def _uniform_below(p: torch.Tensor, density: float, gen: torch.Generator) -> tor
 
 
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_BIT_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _bit_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(256, 8): row v holds byte v's bits, lowest first (``PackedMask``'s order), as 0 / 1 in ``dtype``."""
+    table = _BIT_TABLES.get((device, dtype))
+    if table is None:  # threads that race here build the same table
+        bits = torch.arange(256, dtype=torch.uint8).unsqueeze(1) >> _BIT_SHIFTS
+        table = _BIT_TABLES[(device, dtype)] = bits.bitwise_and_(1).to(device=device, dtype=dtype)
+    return table
 
 
 class PackedMask:
@@ -160,10 +170,24 @@ class PackedMask:
 
     @torch.no_grad()
     def mul_into_(self, z: torch.Tensor, start: int) -> None:
-        """z *= the mask's entries ``start .. start + z.numel()`` (z flat), a slice at a time."""
-        for a in range(0, z.numel(), MASK_SLICE):
-            part = z[a : a + MASK_SLICE]
-            torch._foreach_mul_([part], [self.unpack(start + a, part.numel())])
+        """z *= the mask's entries ``start .. start + z.numel()`` (z flat, contiguous), a slice at a time.
+
+        Whole bytes go through a table of each byte's eight bits as 0 / 1 in z's dtype: one gather and one
+        same-dtype product, ~3x faster on a CPU than unpacking to bools and multiplying across dtypes. The
+        products are those by the bools (by 1 or 0: the same numbers, signed zeros included); the entries
+        before the first whole byte and after the last are unpacked."""
+        end = start + z.numel()
+        head = min(-start % 8, z.numel())
+        body = (end - start - head) // 8 * 8
+        if head:
+            z[:head].mul_(self.unpack(start, head))
+        table = _bit_table(z.device, z.dtype)
+        for a in range(head, head + body, MASK_SLICE):
+            part = z[a : min(a + MASK_SLICE, head + body)]
+            first = (start + a) // 8
+            part.view(-1, 8).mul_(table.index_select(0, self.bits[first : first + part.numel() // 8].int()))
+        if head + body < z.numel():
+            z[head + body :].mul_(self.unpack(start + head + body, z.numel() - head - body))
 
 
 # Which entries each parameter may move: None (all), one mask (a bool tensor, a PackedMask, or None) per
