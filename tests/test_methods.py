@@ -503,12 +503,12 @@ def test_packed_mask_products_are_the_bool_products_bit_for_bit(dtype, monkeypat
     g = torch.Generator().manual_seed(5)
     mask = torch.rand(1000, generator=g) < 0.4
     packed = PackedMask.pack(mask)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32  # compared as bit patterns
     for start, n in [(0, 1000), (0, 7), (3, 5), (5, 300), (8, 640), (13, 987), (999, 1), (16, 0)]:
         z = torch.randn(n, generator=g).to(dtype)
         expected = z * mask[start : start + n]
         packed.mul_into_(z, start)
-        assert torch.equal(z.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                           expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), (start, n)
+        assert torch.equal(z.view(bits), expected.view(bits)), (start, n)
 
 
 @pytest.mark.parametrize("numel", [10, 4096, 2**20 * 3 + 7])

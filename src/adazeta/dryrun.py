@@ -82,7 +82,7 @@ def visible_gpus() -> list[float]:
 
 
 def placement(est: dict[str, float], gpus: list[float], device_map: str | None, forward_only: bool,
-              usable: float = 0.9) -> dict[str, Any]:
+              usable: float = 0.9, device: str = "auto") -> dict[str, Any]:
     """Where the run fits: one GPU, several through ``model.device_map`` (per-device estimate), or the CPU.
 
     With a device map the weights are split over the GPUs and each holds about its share plus the activations
@@ -90,6 +90,9 @@ def placement(est: dict[str, float], gpus: list[float], device_map: str | None, 
     GPU's memory the estimate may take (the CUDA context, allocator slack and fragmentation take the rest).
     """
     total = est["total"]
+    if not gpus and device.startswith("cuda"):
+        return {"fits": "no", "advice": f"model.device={device!r} but no CUDA device is visible here: the run would "
+                                        "stop; use model.device=auto or cpu"}
     if not gpus:
         return {"fits": "cpu", "advice": "no GPU visible: the run uses the CPU and host memory"}
     if total <= usable * gpus[0] and not device_map:
@@ -143,12 +146,7 @@ def dry_run(s: "Settings") -> dict[str, Any]:
     print(f"adapters         {record['adapters']}")
     est = record["memory_estimate_gib"]
     forward_only = s.optimizer is None or isinstance(s.optimizer.config, ZOSGDConfig)
-    gpus = visible_gpus()
-    if s.model.device.startswith("cuda") and not gpus:
-        record["placement"] = {"fits": "no", "advice": f"model.device={s.model.device!r} but no CUDA device is visible "
-                                                       "here: the run would stop; use model.device=auto or cpu"}
-    else:
-        record["placement"] = placement(est, gpus, s.model.device_map, forward_only)
+    record["placement"] = placement(est, visible_gpus(), s.model.device_map, forward_only, device=s.model.device)
     print(
         "memory estimate  "
         + ", ".join(f"{k} {v:.2f} GiB" for k, v in est.items())

@@ -176,9 +176,8 @@ class PackedMask:
         same-dtype product, ~3x faster on a CPU than unpacking to bools and multiplying across dtypes. The
         products are those by the bools (by 1 or 0: the same numbers, signed zeros included); the entries
         before the first whole byte and after the last are unpacked."""
-        end = start + z.numel()
         head = min(-start % 8, z.numel())
-        body = (end - start - head) // 8 * 8
+        body = (z.numel() - head) // 8 * 8
         if head:
             z[:head].mul_(self.unpack(start, head))
         table = _bit_table(z.device, z.dtype)
