@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -181,3 +182,28 @@ def test_the_gpu_script_asks_for_what_the_bench_knows(monkeypatch, tmp_path):
             record = dry_run(bench.settings_for(args))
             assert 1.0e9 < record["total_params"] < 1.25e9 and record["adapters"] == 3 * bench.LLAMA_1B[
                 "num_hidden_layers"]
+
+
+def test_bench_runs_in_bf16_as_the_gpu_script_does(tmp_path, monkeypatch):
+    """scripts/bench_gpu.sh runs the bench on bf16 backbones with random weights: every method's step, the noise
+    streams, evaluation and a memory phase must run in bf16 (here on the CPU, on the tiny Llama)."""
+    monkeypatch.setenv("ADAZETA_DATA_DIR", str(tmp_path / "no-data"))
+    monkeypatch.setenv("ADAZETA_MODEL_DIR", str(tmp_path / "no-models"))
+    argv = ["bench.py", "--model", "tiny-llama", "--weights", "random", "--dtype", "bf16", "--repeats", "1",
+            "--warmup", "0", "--queries", "1", "--chunks", "2", "--eval-examples", "4", "--eval-batch-size", "4",
+            "--scaling-sizes", "2", "--overhead-pairs", "1", "--overhead-long-pairs", "0", "--skip-memory",
+            "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
+    with open(tmp_path / "tiny-llama-random-cpu-bf16.csv") as f:
+        rows = list(csv.DictReader(f))
+    steps = {r["setting"].split(" ")[0]: float(r["median"]) for r in rows
+             if r["measurement"] == "ZO step / 2Q forwards"}
+    assert set(steps) == set(bench.ZO_METHODS) and all(math.isfinite(v) and v > 0 for v in steps.values())
+    assert ("evaluation speed-up", "batched / one example at a time") in {(r["measurement"], r["setting"]) for r in rows}
+    assert '"dtype": "bf16"' in (tmp_path / "tiny-llama-random-cpu-bf16.json").read_text()
+    # A memory phase as the script's runs it (each in a process of its own there): Sparse-MeZO's masks in bf16.
+    args = argparse.Namespace(model="tiny-llama", dtype="bf16", device="cpu", batch_size=4, eval_examples=4,
+                              memory_queries=2, memory_steps=1, phase="method:sparse_mezo", weights="random")
+    result = bench.memory_phase(args)
+    assert result["peak_mb"] >= result["baseline_mb"] > 0
