@@ -790,7 +790,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, one per core)")
     parser.add_argument("--queries", type=int, nargs="+", default=[1, 4, 8])
-    parser.add_argument("--chunks", type=chunk_arg, nargs="+", default=[4, 8],
+    parser.add_argument("--chunks", type=chunk_arg, nargs="+", default=[4, 8, "auto"],
                         help="batched queries: loss evaluations per forward (one batched variant per value), or "
                              "auto: chosen per batch within --query-memory x the inference forward's memory")
     parser.add_argument("--query-memory", type=float, default=0.05, help="query_chunk=auto's memory budget")
