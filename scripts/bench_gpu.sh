@@ -28,7 +28,7 @@ run() {  # run LIMIT_SECONDS NAME ARGS...
 
 # SmolLM2-135M, today's noise stream: everything, every method, scaling, memory.
 run 150 smollm2 --weights random --model smollm2-135m "${COMMON[@]}" --repeats 5 --warmup 2 \
-    --queries 1 4 8 --chunks 4 8 auto
+    --queries 1 4 8 --chunks 4 auto
 # The same step with the flat noise stream (one generator call per 4 M entries), times only.
 run 50 smollm2-flat --weights random --model smollm2-135m "${COMMON[@]}" --repeats 5 --warmup 2 --noise flat \
     --queries 1 4 --chunks 4 --skip-memory --skip-reference --scaling-sizes --methods mezo mezo_lora adazeta
