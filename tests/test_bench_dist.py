@@ -17,7 +17,8 @@ def test_bench_dist_reports_both_process_counts(fixture_data, tmp_path):
            "--out", str(out), "model=tiny-llama", "task=rte", f"data.dir={fixture_data}", "data.num_train=32",
            "data.num_dev=8", "data.num_eval=8"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[:4000] + "\n...\n" + done.stderr[-3000:]  # the ranks' own errors come first
+    written = sorted(p.name for p in out.glob("world*-rank*.json"))  # a failure after these is in the teardown
+    assert done.returncode == 0, f"{written}\n{done.stderr[:4000]}\n...\n{done.stderr[-3000:]}"  # ranks' errors first
     rows = json.loads((out / "dist.json").read_text())["rows"]
     assert [r["processes"] for r in rows] == [1, 2]
     assert rows[0]["speedup"] == 1.0 and rows[1]["mode"] == "query-parallel"

@@ -92,12 +92,18 @@ def worker(queries: int, steps: int, out: Path, overrides: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"world{d.world_size}-rank{d.rank}.json").write_text(json.dumps(row))
     if d.enabled:
-        dist.barrier()  # no rank tears the process group down while another is still in its last collective
+        # Every rank has written its figures. A gloo group's teardown (destroy_process_group, then the
+        # interpreter's own) has aborted a rank now and then on a loaded 2-core machine, after the work was done
+        # and with nothing of the bench left to save; so past this barrier the process ends at once.
+        dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     distributed.close()
 
 
 def launch(nproc: int, threads: int, queries: int, steps: int, out: Path, overrides: list[str]) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONFAULTHANDLER": "1"}  # a rank's abort shows its stack
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "adazeta.bench_dist", "--worker", "--queries", str(queries), "--steps", str(steps),
            "--out", str(out), *overrides]
