@@ -76,3 +76,45 @@ def test_the_committed_cpu_zo_experiment_parses_and_plans():
     arms = {j.arm for j in jobs}
     assert {"adazeta", "adazeta_identity", "tt_q1", "mezo_lora", "mezo", "tt_adapter_fo", "zero_shot"} <= arms
     assert all(j.seed == 0 for j in jobs)
+
+
+def test_an_arm_with_its_own_seeds_runs_only_at_them(root):
+    config = {"arms": {"zo": {"overrides": ["method=adazeta"], "lr": [1e-3]},
+                       "zs": {"overrides": ["method=zero_shot"], "seeds": [0]},
+                       "late": {"overrides": ["method=icl"], "seeds": [2]}},
+              "design": {"select_seed": 0, "seeds": [0, 1, 2], "order": ["zo", "zs", "late"]}}
+    select = driver.plan("x", config, "select", None)
+    assert [(j.arm, j.seed) for j in select] == [("zo", 0), ("zs", 0)]
+    for job in select:
+        finish(job, dev=0.6)
+    seeds = driver.plan("x", config, "seeds", None)
+    assert [(j.arm, j.lr, j.seed) for j in seeds] == [("zo", 1e-3, 1), ("zo", 1e-3, 2), ("late", None, 2)]
+
+
+def test_the_preregistered_claims_experiment_plans_seed_major_with_one_rate_per_arm(root):
+    import yaml
+
+    config = yaml.safe_load((ROOT / "conf" / "experiment" / "cpu_zo_claims.yaml").read_text())
+    assert config["train"]["max_forward_passes"] == 3000 and config["data"]["seed"] == 0
+    assert all(len(driver.grid(spec)) == 1 for spec in config["arms"].values())
+    select = driver.plan("cpu_zo_claims", config, "select", None)
+    assert [j.arm for j in select[:4]] == ["mezo_lora", "ada_official", "ada_paper", "tt_q1"]
+    for job in select:
+        finish(job, dev=0.6)
+    seeds = driver.plan("cpu_zo_claims", config, "seeds", None)
+    per_arm = {a: sorted(j.seed for j in seeds if j.arm == a) for a in {j.arm for j in seeds}}
+    assert per_arm == {a: [1, 2, 3] for a in ("mezo_lora", "ada_official", "ada_paper", "tt_q1", "icl", "tt_fo")}
+
+
+def test_a_dirty_tree_is_refused_unless_allowed_and_launches_are_logged(root, monkeypatch, tmp_path):
+    monkeypatch.setattr(driver, "git_state", lambda: {"commit": "abc123def4567", "dirty": True})
+    monkeypatch.setattr(sys, "argv", ["experiment.py", "cpu_zo_claims", "--arms", "zero_shot"])
+    with pytest.raises(SystemExit, match="uncommitted changes.*--allow-dirty"):
+        driver.main()
+    job = driver.Job("zs", None, 0, "x", ["method=zero_shot"])
+    job.run_dir.mkdir(parents=True)
+    driver.log_launch(job, ["py", "-m", "adazeta.cli", "method=zero_shot"], {"commit": "abc", "dirty": True}, True)
+    rows = (root / "results" / "runs" / "x" / "launches.csv").read_text().splitlines()
+    assert rows[0].split(",") == driver.LAUNCH_COLUMNS
+    assert rows[1].split(",")[1:] == ["zs", "", "0", "results/runs/x/zs/seed=0", "abc", "True", "True",
+                                      "adazeta-run method=zero_shot"]

@@ -10,7 +10,43 @@ import torch
 from adazeta.scoring import Batch, Scorer, objective_loss
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from adazeta.generation import GenerationSet
+
+
+@dataclass
+class Predictions:
+    """One evaluation's per-example results, in the split's order, so that two runs on the same examples can be
+    compared example by example (paired tests: ``adazeta.stats``).
+
+    ``scores[i]`` holds example i's candidate scores (length-normalised log-likelihoods, or logits for a masked
+    LM; log-probabilities for the linear probe), one per candidate; ``pred`` the argmax, ``gold`` the gold index.
+    Generation tasks (SQuAD, DROP) have no candidate scores: ``texts`` holds each greedy answer and ``f1`` /
+    ``em`` its scores against the gold answers; ``pred`` and ``gold`` are then empty.
+    """
+
+    gold: list[int] = field(default_factory=list)
+    pred: list[int] = field(default_factory=list)
+    scores: list[list[float]] = field(default_factory=list)
+    texts: list[str] | None = None
+    f1: list[float] | None = None
+    em: list[float] | None = None
+
+    @property
+    def correct(self) -> list[float]:
+        """Per example: 1.0 / 0.0 for a classification, the F1 of its answer for a generation task."""
+        if self.f1 is not None:
+            return list(self.f1)
+        return [float(p == g) for p, g in zip(self.pred, self.gold)]
+
+    def __len__(self) -> int:
+        return len(self.f1) if self.f1 is not None else len(self.gold)
+
+    @classmethod
+    def from_scores(cls, scores: "np.ndarray | list[list[float]]", gold: Sequence[int]) -> "Predictions":
+        rows = [[float(v) for v in row] for row in scores]
+        return cls([int(g) for g in gold], [max(range(len(r)), key=r.__getitem__) for r in rows], rows)
 
 
 @dataclass
@@ -24,6 +60,7 @@ class EvalResult:
     # outputs zeros, every logit is 0) ties on every example, and its loss is exactly ln(#candidates).
     tied: float = 0.0
     metric: str = "accuracy"  # what ``score`` is: accuracy | f1
+    predictions: Predictions | None = None  # per example, when ``evaluate`` was asked to keep them
 
     @classmethod
     def restore(cls, state: dict) -> "EvalResult":
@@ -31,6 +68,8 @@ class EvalResult:
         state = dict(state)
         if "accuracy" in state:
             state["score"] = state.pop("accuracy")
+        if isinstance(state.get("predictions"), dict):
+            state["predictions"] = Predictions(**state["predictions"])
         return cls(**state)
 
 
@@ -43,12 +82,15 @@ def evaluate(
     batches: Sequence[Batch],
     generation: "GenerationSet | None" = None,
     desc: str | None = None,
+    keep: bool = False,
 ) -> EvalResult:
     """Mean loss (the task's objective) and score over pre-collated batches (already on the model's device).
 
     The score is the accuracy; with ``generation`` (SQuAD, DROP) it is the F1 of greedy generations (``metric``
     says which), and F1 / EM go to ``metrics``.
     ``desc``: name of a progress bar over the batches, shown on a terminal (``tracking.show_progress``).
+    ``keep``: also return the per-example ``Predictions``, in the split's order (each batch's ``index``); their
+    scores leave the device once, at the end, with the other totals.
     """
     from tqdm.auto import tqdm
 
@@ -59,6 +101,7 @@ def evaluate(
     model.eval()
     loss_sum = correct = tied = multi = None
     n = 0
+    kept: list[tuple[Batch, torch.Tensor]] = []
     shown = desc is not None and show_progress() and len(batches) > 1
     for batch in tqdm(batches, desc=desc, leave=False, dynamic_ncols=True, disable=not shown):
         scores = scorer.scores(batch)
@@ -70,18 +113,44 @@ def evaluate(
         tied = ties if tied is None else tied + ties
         multi = several if multi is None else multi + several
         n += batch.num_examples
+        if keep:
+            kept.append((batch, scores.detach()))
     metrics = {}
+    predictions = None
     if generation is not None:
-        from adazeta.generation import generation_metrics
+        from adazeta.generation import generation_rows
 
-        metrics = generation_metrics(model, generation)
+        texts, f1s, ems = generation_rows(model, generation)
+        metrics = {"f1": sum(f1s) / len(f1s), "em": sum(ems) / len(ems)} if texts else {"f1": float("nan"), "em": float("nan")}
+        if keep:
+            predictions = Predictions(texts=texts, f1=f1s, em=ems)
+    elif keep:
+        predictions = _predictions(kept, n)
     model.train(was_training)
     metric = "f1" if generation is not None else "accuracy"
     if n == 0:
         return EvalResult(float("nan"), float("nan"), 0, metric=metric)
     score = metrics["f1"] if generation is not None else float(correct) / n  # the one sync point
     tied_fraction = float(tied) / float(multi) if float(multi) else 0.0
-    return EvalResult(float(loss_sum) / n, score, n, metrics, tied_fraction, metric)
+    return EvalResult(float(loss_sum) / n, score, n, metrics, tied_fraction, metric, predictions)
+
+
+def _predictions(kept: list[tuple[Batch, torch.Tensor]], n: int) -> Predictions:
+    """Per-example rows from each batch's scores, put back in the split's order (``Batch.index``)."""
+    out = Predictions([0] * n, [0] * n, [[] for _ in range(n)])
+    start = 0
+    for batch, scores in kept:
+        b = batch.num_examples
+        where = list(batch.index) if batch.index is not None else list(range(start, start + b))
+        start += b
+        per_example = torch.bincount(batch.candidate_slot.cpu() // batch.max_candidates, minlength=b).tolist()
+        rows = scores.float().cpu().tolist()
+        for r, (i, k) in enumerate(zip(where, per_example)):
+            row = rows[r][:k]
+            out.scores[i] = row
+            out.gold[i] = int(batch.gold[r])
+            out.pred[i] = max(range(k), key=row.__getitem__) if k else -1
+    return out
 
 
 def tie_counts(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ its whole grid has run. Stress runs go to NAME_stress.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
@@ -30,6 +31,7 @@ import yaml
 from adazeta.paths import config_dir
 from adazeta.offline import use_shared
 from adazeta.record import main_score
+from adazeta.results import git_state
 
 PHASES = ("select", "seeds", "stress")
 
@@ -75,6 +77,12 @@ def grid(spec: dict) -> list[float | None]:
     return [float(lr) for lr in spec["lr"]] if spec.get("lr") else [None]
 
 
+def runs_at(spec: dict, seed: int) -> bool:
+    """Whether an arm runs at ``seed``: every design seed unless the arm lists its own ``seeds`` (an arm that does
+    not depend on the run seed, zero-shot or a deterministic probe, runs once)."""
+    return spec.get("seeds") is None or seed in [int(s) for s in spec["seeds"]]
+
+
 UNDECIDED = object()
 
 
@@ -82,6 +90,8 @@ def chosen_lr(name: str, arm: str, spec: dict, seed: int) -> float | None | obje
     """The grid's lr with the best dev accuracy at ``seed`` (ties: lower dev loss), as ``make tables`` selects;
     UNDECIDED until every grid point has a finished or diverged result. Test is never looked at."""
     results = []
+    if not runs_at(spec, seed):  # an arm that never runs at the selection seed has nothing to select
+        return grid(spec)[0] if len(grid(spec)) == 1 else UNDECIDED
     for lr in grid(spec):
         rec = record(Job(arm, lr, seed, name, []).run_dir)
         if rec is None or rec.get("status") not in ("finished", "diverged"):
@@ -106,7 +116,7 @@ def plan(name: str, config: dict, phase: str, arms: list[str] | None) -> list[Jo
         grids = {a: grid(config["arms"][a]) for a in order}
         for i in range(max(len(g) for g in grids.values())):
             for a in order:
-                if i < len(grids[a]):
+                if i < len(grids[a]) and runs_at(config["arms"][a], select_seed):
                     jobs.append(Job(a, grids[a][i], select_seed, name, config["arms"][a]["overrides"]))
     chosen: dict[str, float] = {}
     if phase in ("seeds", "stress", "all"):
@@ -119,7 +129,7 @@ def plan(name: str, config: dict, phase: str, arms: list[str] | None) -> list[Jo
     if phase in ("seeds", "all"):
         for seed in design.get("seeds", [select_seed]):
             jobs += [Job(a, lr, int(seed), name, config["arms"][a]["overrides"])
-                     for a, lr in chosen.items() if int(seed) != select_seed]
+                     for a, lr in chosen.items() if int(seed) != select_seed and runs_at(config["arms"][a], int(seed))]
     if phase in ("stress", "all"):
         for factor in design.get("stress", []):
             for a, lr in chosen.items():
@@ -139,6 +149,22 @@ def command(name: str, job: Job, extra: list[str]) -> list[str]:
     ]
 
 
+LAUNCH_COLUMNS = ["time", "arm", "lr", "seed", "run_dir", "commit", "dirty", "allow_dirty", "command"]
+
+
+def log_launch(job: Job, cmd: list[str], code: dict, allow_dirty: bool) -> None:
+    """One row per launched run in results/runs/<experiment>/launches.csv: when, from which code, the command."""
+    path = runs_dir() / job.experiment / "launches.csv"
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        writer = csv.writer(f)
+        if new:
+            writer.writerow(LAUNCH_COLUMNS)
+        writer.writerow([time.strftime("%Y-%m-%dT%H:%M:%S"), job.arm, "" if job.lr is None else f"{job.lr:g}",
+                         job.seed, str(job.run_dir.relative_to(runs_dir().parent.parent)), code["commit"],
+                         code["dirty"], allow_dirty, "adazeta-run " + " ".join(shlex.quote(a) for a in cmd[3:])])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiment")
@@ -148,6 +174,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--dry", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--factors", type=float, nargs="+", help="stress multipliers, replacing design.stress")
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="start runs although the source tree has uncommitted changes (recorded in launches.csv)")
     args, extra = parser.parse_known_args()
     path = Path(config_dir()) / "experiment" / f"{args.experiment}.yaml"
     if not path.is_file():
@@ -158,6 +186,10 @@ def main() -> None:
     if not config.get("arms"):
         sys.exit(f"experiment.py: error: {path} has no `arms:` block; run it with adazeta-run -m experiment=...")
 
+    code = git_state()
+    if code["dirty"] and not args.dry and not args.allow_dirty:
+        sys.exit(f"experiment.py: error: the source tree ({code['commit'][:12]}) has uncommitted changes, so a run's "
+                 "record would not say which code made it; commit them, or pass --allow-dirty (recorded)")
     env = use_shared(dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads)))
     phases = PHASES if args.phase == "all" else (args.phase,)
     failed = 0
@@ -172,6 +204,7 @@ def main() -> None:
             if args.dry:
                 return 0
             job.run_dir.mkdir(parents=True, exist_ok=True)
+            log_launch(job, cmd, code, args.allow_dirty)
             start = time.time()
             with open(job.run_dir / "stdout.log", "w") as log:
                 rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode

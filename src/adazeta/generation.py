@@ -115,14 +115,22 @@ def greedy_generate(
     return out
 
 
+def generation_rows(model: nn.Module, gen: GenerationSet) -> tuple[list[str], list[float], list[float]]:
+    """Each prompt's greedy answer, its F1 and its exact match (SQuAD normalisation, best over the gold answers)."""
+    if not gen.prompts:
+        return [], [], []
+    preds = greedy_generate(model, gen.prompts, gen.tokenizer, gen.stop_ids, gen.max_new_tokens, gen.batch_size)
+    f1 = [float(best_f1(p, a)) for p, a in zip(preds, gen.answers)]
+    em = [float(best_exact_match(p, a)) for p, a in zip(preds, gen.answers)]
+    return preds, f1, em
+
+
 def generation_metrics(model: nn.Module, gen: GenerationSet) -> dict[str, float]:
     """Mean F1 and exact match (SQuAD normalisation, best over the gold answers) of greedy generations."""
-    if not gen.prompts:
+    preds, f1, em = generation_rows(model, gen)
+    if not preds:
         return {"f1": float("nan"), "em": float("nan")}
-    preds = greedy_generate(model, gen.prompts, gen.tokenizer, gen.stop_ids, gen.max_new_tokens, gen.batch_size)
-    f1 = sum(best_f1(p, a) for p, a in zip(preds, gen.answers)) / len(preds)
-    em = sum(best_exact_match(p, a) for p, a in zip(preds, gen.answers)) / len(preds)
-    return {"f1": f1, "em": em}
+    return {"f1": sum(f1) / len(f1), "em": sum(em) / len(em)}
 
 
 class F1Loss:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from adazeta.errors import ConfigError
-from adazeta.evaluate import EvalResult
+from adazeta.evaluate import EvalResult, Predictions
 from adazeta.scoring import Encoded, Scorer, lm_parts
 from adazeta.tracking import Tracker
 from adazeta.train import Outcome
@@ -85,7 +85,8 @@ class Probe:
         """Mean cross-entropy and accuracy, as ``evaluate.evaluate`` reports them for scored candidates."""
         probs = self.probabilities(x)
         loss = float(-np.log(np.clip(probs[np.arange(len(y)), y], 1e-12, None)).mean())
-        return EvalResult(loss, float((probs.argmax(axis=1) == y).mean()), len(y))
+        kept = Predictions.from_scores(np.log(np.clip(probs, 1e-12, None)), y)
+        return EvalResult(loss, float((probs.argmax(axis=1) == y).mean()), len(y), predictions=kept)
 
 
 def fit_probe(

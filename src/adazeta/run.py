@@ -59,6 +59,7 @@ from adazeta.tracking import (
     peak_memory_mb,
     quiet_third_party,
     reset_peak_memory,
+    write_predictions,
 )
 from adazeta.train import Checkpoints, Loop, RunLength, Splits, steps_per_epoch, train
 
@@ -480,6 +481,10 @@ def _execute(
         return tracker
     record.test_loss, record.test_score = outcome.test.loss, outcome.test.score
     record.test_metrics = dict(outcome.test.metrics)
+    if d.is_main:  # per example, for paired comparisons between runs on the same examples (adazeta.stats)
+        for split, result, examples in (("dev", outcome.best_dev, data.dev), ("test", outcome.test, data.eval)):
+            if result.predictions is not None and len(result.predictions):
+                write_predictions(run_dir, split, result.predictions, [e.meta.get("row", i) for i, e in enumerate(examples)])
     log.info(
         "%s after %d steps (best dev step %d): dev %s %.4f -> %.4f, test %s %.4f; results in %s",
         outcome.status, outcome.steps, outcome.best_step, s.task.metric, outcome.initial_dev.score,

@@ -85,6 +85,9 @@ class Batch:
     items: tuple[Encoded, ...] | None = None
     pad_id: int = 0
     mask_id: int | None = None
+    # Each example's position in the split it came from (``Scorer.batches``), so per-example predictions of a
+    # length-sorted evaluation are written back in the split's order; None for a training minibatch.
+    index: tuple[int, ...] | None = None
 
     @property
     def num_examples(self) -> int:
@@ -553,8 +556,13 @@ class Scorer:
         """All of ``encoded`` in batches of ``batch_size`` on the model's device (``sort``: for evaluation)."""
         order = sorted(range(len(encoded)), key=lambda i: encoded[i].num_tokens()) if sort else range(len(encoded))
         order = list(order)
-        return [self.collate([encoded[i] for i in order[start : start + batch_size]])
-                for start in range(0, len(order), batch_size)]
+        out = []
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            batch = self.collate([encoded[i] for i in chunk])
+            batch.index = tuple(chunk)
+            out.append(batch)
+        return out
 
     def scores(self, batch: Batch) -> torch.Tensor:
         """(B, max_candidates) candidate scores (``candidate_scores``)."""

@@ -401,3 +401,38 @@ class SilentTracker(Tracker):
 
     def close(self, failed: bool = False) -> None:
         pass
+
+
+PREDICTIONS_DIR = "predictions"
+
+
+def write_predictions(run_dir: Path, split: str, predictions: Any, rows: list[int] | None = None) -> Path:
+    """``predictions/<split>.csv``: one row per example of ``split`` in its order, written atomically.
+
+    Classification: ``index`` (position in the split), ``row`` (the example's row in its source file or Hub
+    split, the same for every run drawn with the same data seed), ``gold``, ``pred``, ``correct`` and one
+    ``score_<j>`` per candidate (blank past an example's own candidates). Generation tasks: ``index``, ``row``,
+    ``prediction`` (the greedy answer), ``f1``, ``em``. ``predictions`` is an ``evaluate.Predictions``.
+    """
+    import io
+
+    n = len(predictions)
+    rows = list(rows) if rows is not None else list(range(n))
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    if predictions.f1 is not None:
+        writer.writerow(["index", "row", "prediction", "f1", "em"])
+        for i in range(n):
+            writer.writerow([i, rows[i], predictions.texts[i], f"{predictions.f1[i]:.6g}", f"{predictions.em[i]:.6g}"])
+    else:
+        width = max((len(s) for s in predictions.scores), default=0)
+        writer.writerow(["index", "row", "gold", "pred", "correct", *(f"score_{j}" for j in range(width))])
+        for i in range(n):
+            scores = [repr(float(v)) for v in predictions.scores[i]]
+            writer.writerow([i, rows[i], predictions.gold[i], predictions.pred[i],
+                             int(predictions.pred[i] == predictions.gold[i]), *scores, *[""] * (width - len(scores))])
+    where = run_dir / PREDICTIONS_DIR
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"{split}.csv"
+    atomic_write_text(path, out.getvalue())
+    return path

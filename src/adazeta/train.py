@@ -191,7 +191,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
         )
 
     def dev_eval(step: int) -> EvalResult:
-        result = evaluate(scorer, splits.dev, obj.dev_generation, desc=f"dev@{step}")
+        result = evaluate(scorer, splits.dev, obj.dev_generation, desc=f"dev@{step}", keep=True)
         if result.n:  # a training-free run without a train split has no dev set
             tracker.log_eval(step, "dev", result.loss, result.score, result.tied)
         return result
@@ -201,7 +201,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
         initial = best = dev_eval(0)
         reason = monitor.update(initial.loss, initial.tied) if initial.n else None
         if reason is not None:  # e.g. an adapter init that already overflows: nothing to train from
-            test = evaluate(scorer, splits.test, obj.test_generation, desc="test")
+            test = evaluate(scorer, splits.test, obj.test_generation, desc="test", keep=True)
             tracker.log_eval(0, "test", test.loss, test.score, test.tied)
             return Outcome("diverged", reason, 0, 0, initial, initial, test, 0)
         best_step, best_state = 0, (trainable_state(model) if cfg.keep_best and optimizer else None)
@@ -326,7 +326,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
         elif not cfg.keep_best:
             best_step = step
 
-    test = evaluate(scorer, splits.test, obj.test_generation, desc="test")
+    test = evaluate(scorer, splits.test, obj.test_generation, desc="test", keep=True)
     tracker.log_eval(best_step, "test", test.loss, test.score, test.tied)
     return Outcome(status, reason, step, best_step, initial, best, test, forward_passes)
 

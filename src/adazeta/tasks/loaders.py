@@ -456,7 +456,10 @@ def load_task(
     """
 
     def make(rows: Rows, idx: Sequence[int]) -> list[Example]:
-        return [render(spec, family, r, r.get("label", 0), mask_token) for r in rows.take(idx)]
+        examples = [render(spec, family, r, r.get("label", 0), mask_token) for r in rows.take(idx)]
+        for example, i in zip(examples, idx):  # the source row, for per-example predictions across runs
+            example.meta.setdefault("row", int(i))
+        return examples
 
     train_rows = None
     if need_train or split_available(spec, family, "train", data):
