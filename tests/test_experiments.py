@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -141,22 +142,70 @@ def test_selection_uses_dev_never_test_and_aggregates_seeds(tmp_path):
     paper = load_paper_numbers(write_paper(tmp_path / "paper.csv",
                                            "fx,m,rte,adazeta,74.0,,accuracy,Paper A,Table 2,yes,"))
     table = build_table(selected, paper, "fx", ["adazeta", "mezo", "ft"], ["rte"])
-    # std over seeds with ddof = 1: 0.60 and 0.70 -> 7.1 (ddof = 0 would give 5.0); 0.5 and 0.7 -> 14.1
+    # Student-t 95 % interval over 2 seeds: mean +- t(0.975, 1) * sd / sqrt(2), t = 12.706, sd with ddof = 1
+    t1 = 12.706204736174707
+    half_a = t1 * (0.1 / 2**0.5) / 2**0.5  # 0.60 and 0.70
+    half_m = t1 * (0.2 / 2**0.5) / 2**0.5  # 0.5 and 0.7
+    cell_a = f"65.0 [{65 - 100 * half_a:.1f}, {65 + 100 * half_a:.1f}] n=2"
+    cell_m = f"60.0 [{60 - 100 * half_m:.1f}, {60 + 100 * half_m:.1f}] n=2 †1"
     expected = pd.DataFrame(
         [
-            {"method": "adazeta", "rte": "65.0 (7.1)", "rte (paper)": "74.0ᵃ", "paper sources": "ᵃ"},
-            {"method": "mezo", "rte": "60.0 (14.1) †1", "rte (paper)": "—", "paper sources": "—"},
+            {"method": "adazeta", "rte": cell_a, "rte (paper)": "74.0ᵃ", "paper sources": "ᵃ"},
+            {"method": "mezo", "rte": cell_m, "rte (paper)": "—", "paper sources": "—"},
             {"method": "ft", "rte": "—", "rte (paper)": "—", "paper sources": "—"},
         ]
     )
     pd.testing.assert_frame_equal(table.cells, expected)
     markdown = to_markdown(table)
-    assert "| adazeta | 65.0 (7.1) | 74.0ᵃ | ᵃ |" in markdown
-    assert "- Ours: mean (std over seeds, ddof = 1)" in markdown
+    assert f"| adazeta | {cell_a} | 74.0ᵃ | ᵃ |" in markdown
+    assert "- Ours: test mean of the setting selected on dev [95 % Student-t interval over its seeds]" in markdown
     assert "- ᵃ Paper A, Table 2, m: confirmed\n" in markdown
     latex = to_latex(table, "caption")
-    assert r"60.0 (14.1) $^\dagger$1" in latex and r"74.0$^{\mathrm{a}}$" in latex
+    assert r"n=2 $^\dagger$1" in latex and r"74.0$^{\mathrm{a}}$" in latex
     assert r"$^{\mathrm{a}}$ Paper A, Table 2, m: confirmed\par" in latex
+
+
+def test_the_best_is_bold_only_where_its_interval_clears_every_other_and_versions_are_marked(tmp_path):
+    for seed, test in enumerate([0.80, 0.82, 0.81]):
+        write_result(tmp_path, "ft", seed, 1e-5, 0.8, test)
+    for seed, test in enumerate([0.60, 0.62, 0.61]):
+        write_result(tmp_path, "mezo", seed, 1e-6, 0.6, test)
+    for seed, test in enumerate([0.55, 0.95, 0.70]):  # a wide interval that overlaps ft's
+        write_result(tmp_path, "adazeta", seed, 1e-4, 0.7, test)
+    paper = load_paper_numbers(write_paper(tmp_path / "paper.csv", "gx,m,rte,mezo,1.0,,accuracy,P,T,yes,"))
+    cells = build_table(select_on_dev(load_results([tmp_path])), paper, "fx", ["ft", "mezo", "adazeta"], ["rte"]).cells
+    assert not any("**" in c for c in cells["rte"])  # ft's best mean is not supported against adazeta's interval
+    for path in tmp_path.glob("adazeta-*"):
+        shutil.rmtree(path)
+    write_result(tmp_path, "adazeta", 0, 1e-4, 0.7, 0.5)
+    cells = build_table(select_on_dev(load_results([tmp_path])), paper, "fx", ["ft", "mezo"], ["rte"]).cells
+    assert cells.set_index("method").loc["ft", "rte"].startswith("**81.0**")  # adazeta has one seed: no interval
+    cells = build_table(select_on_dev(load_results([tmp_path])), paper, "fx", ["ft", "mezo", "adazeta"], ["rte"]).cells
+    assert not any("**" in c for c in cells["rte"])
+    # runs of one cell from two code versions are marked
+    record = json.loads((tmp_path / "ft-lr1e-05-s0" / "result.json").read_text())
+    record["git"] = {"commit": "1111111aaaa", "dirty": False}
+    (tmp_path / "ft-lr1e-05-s0" / "result.json").write_text(json.dumps(record))
+    cells = build_table(select_on_dev(load_results([tmp_path])), paper, "fx", ["ft"], ["rte"]).cells
+    assert cells.loc[0, "rte"].endswith("n=3 ‡")
+
+
+def test_a_cell_with_predictions_gets_an_interval_over_examples(tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for seed in range(2):
+        write_result(tmp_path, "ft", seed, 1e-5, 0.8, 0.0)
+        correct = (rng.random(400) < 0.75).astype(int)
+        (tmp_path / f"ft-lr1e-05-s{seed}" / "predictions").mkdir()
+        lines = ["index,row,gold,pred,correct,score_0,score_1"] + [f"{i},{i},1,{c},{c},0,1" for i, c in enumerate(correct)]
+        (tmp_path / f"ft-lr1e-05-s{seed}" / "predictions" / "test.csv").write_text("\n".join(lines) + "\n")
+    selected = select_on_dev(load_results([tmp_path]))
+    lo, hi = selected.loc[0, "test_boot_lo"], selected.loc[0, "test_boot_hi"]
+    assert 0.68 < lo < 0.75 < hi < 0.82
+    cell = build_table(selected, load_paper_numbers(write_paper(tmp_path / "p.csv", "gx,m,rte,mezo,1.0,,accuracy,P,T,yes,")),
+                       "fx", ["ft"], ["rte"]).cells.loc[0, "rte"]
+    assert f"(ex. {100 * lo:.1f}-{100 * hi:.1f})" in cell
 
 
 def test_every_paper_number_is_marked_with_its_source_and_mixed_rows_say_so(tmp_path):

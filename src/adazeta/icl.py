@@ -111,8 +111,16 @@ def add_demonstrations_(
 
     Returns the mean number of demonstrations that fit a test prompt (k unless ``max_length`` dropped some).
     """
+    data.dev = with_demonstrations(data.dev, data, cfg, tokenizer, family, max_length, run_seed)
+    data.eval = with_demonstrations(data.eval, data, cfg, tokenizer, family, max_length, run_seed)
+    return sum(e.meta["demonstrations"] for e in data.eval) / max(len(data.eval), 1)
+
+
+def with_demonstrations(
+    examples: Sequence[Example], data: TaskData, cfg: DemonstrationConfig, tokenizer: Any, family: str,
+    max_length: int, run_seed: int,
+) -> list[Example]:
+    """``examples`` with the run's demonstrations (drawn from ``data.train`` with the seed) before each prompt."""
     shots = sample_demonstrations(data.train, cfg.k, run_seed if cfg.seed is None else cfg.seed)
     fits, mask_token = fits_in(tokenizer, family, max_length), getattr(tokenizer, "mask_token", None)
-    data.dev = prepend_demonstrations(data.dev, shots, cfg.separator, family, fits, mask_token)
-    data.eval = prepend_demonstrations(data.eval, shots, cfg.separator, family, fits, mask_token)
-    return sum(e.meta["demonstrations"] for e in data.eval) / max(len(data.eval), 1)
+    return prepend_demonstrations(examples, shots, cfg.separator, family, fits, mask_token)

@@ -51,6 +51,7 @@ class RunRecord:
     backend: str = UNSET  # several processes: gloo | nccl
     devices: list[str] = UNSET  # model.device_map: the devices the model was spread over
     probe: dict[str, Any] = UNSET  # linear probing: the probe's fit
+    calibration: dict[str, Any] = UNSET  # calibrated zero-shot / ICL: kind, bias per candidate, how it was fitted
     # What it measured.
     metric: str = UNSET  # the task's main metric: accuracy, or f1 for generation tasks (names the *_score keys)
     reason: str | None = UNSET  # why it ended as it did (divergence rule, signal, error), or None

@@ -27,10 +27,11 @@ import adazeta.adapters  # noqa: F401  (registers the built-in adapters)
 import adazeta.optim  # noqa: F401  (registers the built-in optimizers)
 from adazeta.adapters import ADAPTERS
 from adazeta import distributed
+from adazeta.calibration import calibrate, content_free_examples
 from adazeta.distributed import Dist, Spread
 from adazeta.dryrun import dry_run
 from adazeta.errors import ConfigError, PeerError
-from adazeta.icl import add_demonstrations_
+from adazeta.icl import add_demonstrations_, with_demonstrations
 from adazeta.models import (
     LoadedModel,
     count_parameters,
@@ -132,6 +133,7 @@ class Built:
     trainable_params: int
     length: RunLength  # steps per epoch, step limit, forward budget, the schedule's E: decided once
     demonstrations: float | None = None  # ICL: mean number of demonstrations per test prompt
+    content_free: list[Encoded] | None = None  # contextual calibration's content-free prompts
 
     @property
     def schedule_epochs(self) -> float | None:
@@ -175,6 +177,13 @@ def build(s: Settings, loaded: LoadedModel | None = None, data: TaskData | None 
     family, tok = loaded.family, loaded.tokenizer
     if data is None:
         data = load_task(s.task, s.data, family, s.seed, getattr(tok, "mask_token", None), train_use(s) is not None)
+    content_free = None
+    if s.calibration == "contextual":  # the template around content-free inputs, with ICL's demonstrations too
+        content_free = content_free_examples(s.task, family, getattr(tok, "mask_token", None))
+        if s.demonstrations is not None:
+            content_free = with_demonstrations(content_free, data, s.demonstrations, tok, family, s.model.max_length,
+                                               s.seed)
+        content_free = encode(content_free, tok, family, s.model.max_length)
     demonstrations = None
     if s.demonstrations is not None:  # ICL: the mean number of demonstrations that fit a test prompt
         demonstrations = add_demonstrations_(data, s.demonstrations, tok, family, s.model.max_length, s.seed)
@@ -185,7 +194,8 @@ def build(s: Settings, loaded: LoadedModel | None = None, data: TaskData | None 
     schedule = SCHEDULES.get(s.schedule.kind).builder(s.schedule.config, length.schedule_epochs)
     log.info("task %s: %d train / %d dev / %d test examples from %s", s.task.name, len(data.train),
              len(data.dev), len(data.eval), data.source)
-    return Built(loaded, model, data, enc, named, optimizer, schedule, total, trainable, length, demonstrations)
+    return Built(loaded, model, data, enc, named, optimizer, schedule, total, trainable, length, demonstrations,
+                 content_free)
 
 
 def build_optimizer(s: Settings, named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer | None:
@@ -412,6 +422,10 @@ def _execute(
         record.demonstrations = b.demonstrations
     objective = build_objective(s.task, data, enc, tok, s.model.max_length, s.train.eval_batch_size)
     scorer = dataclasses.replace(b.scorer, objective=objective)
+    scorer, calibration = calibrate(scorer, s.calibration, b.content_free, enc["dev"], s.train.eval_batch_size)
+    if calibration is not None:
+        record.calibration = calibration
+        log.info("calibration %s: bias per candidate %s", s.calibration, [round(v, 4) for v in calibration["bias"]])
 
     record.total_params, record.trainable_params = b.total_params, b.trainable_params
     record.num_train, record.num_dev, record.num_eval = len(data.train), len(data.dev), len(data.eval)
@@ -484,7 +498,7 @@ def _execute(
     if d.is_main:  # per example, for paired comparisons between runs on the same examples (adazeta.stats)
         for split, result, examples in (("dev", outcome.best_dev, data.dev), ("test", outcome.test, data.eval)):
             if result.predictions is not None and len(result.predictions):
-                write_predictions(run_dir, split, result.predictions, [e.meta.get("row", i) for i, e in enumerate(examples)])
+                write_predictions(run_dir, split, result.predictions, [i if e.row is None else e.row for i, e in enumerate(examples)])
     log.info(
         "%s after %d steps (best dev step %d): dev %s %.4f -> %.4f, test %s %.4f; results in %s",
         outcome.status, outcome.steps, outcome.best_step, s.task.metric, outcome.initial_dev.score,

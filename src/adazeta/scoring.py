@@ -541,6 +541,8 @@ class Scorer:
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
     # The task's objective (``adazeta.tasks.objectives.Objective``): classification by default.
     objective: Objective = dataclasses.field(default_factory=Objective)
+    # (C,) added to every example's candidate scores: a calibration of a training-free method (adazeta.calibration)
+    bias: torch.Tensor | None = None
 
     @classmethod
     def of(cls, model: nn.Module, tokenizer: Any, family: str = "causal", device: torch.device | str = "cpu",
@@ -565,8 +567,11 @@ class Scorer:
         return out
 
     def scores(self, batch: Batch) -> torch.Tensor:
-        """(B, max_candidates) candidate scores (``candidate_scores``)."""
-        return candidate_scores(self.model, batch, self.family)
+        """(B, max_candidates) candidate scores (``candidate_scores``), plus the calibration ``bias`` if any."""
+        scores = candidate_scores(self.model, batch, self.family)
+        if self.bias is not None:
+            scores = scores + self.bias[: scores.shape[1]].to(scores.dtype)
+        return scores
 
     def loss(self, batch: Batch) -> torch.Tensor:
         """The task's training loss on ``batch``."""

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 import adazeta.adapters  # noqa: F401  (registers the built-in adapters)
 import adazeta.optim  # noqa: F401  (registers the built-in optimizers)
 from adazeta.adapters import ADAPTERS
+from adazeta.calibration import CALIBRATIONS
 from adazeta.distributed import DistributedConfig
 from adazeta.errors import ConfigError
 from adazeta.icl import DemonstrationConfig
@@ -59,6 +60,7 @@ class Settings:
     raw: dict[str, Any]  # the composed config, for provenance
     demonstrations: DemonstrationConfig | None = None  # ICL: solved train examples before each prompt
     probe: ProbeConfig | None = None  # LP: a logistic regression on frozen features instead of training
+    calibration: str = "none"  # training-free scoring: none | contextual | prior (adazeta.calibration)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)  # several processes
 
 
@@ -119,7 +121,8 @@ def parse(cfg: DictConfig) -> Settings:
     if settings.adapter.kind == "tt" and shapes and adapter.shape_down is None and adapter.shape_up is None:
         # The model's reference shapes (e.g. [8,8,16,8,8] for RoBERTa-Large) unless the method names its own.
         settings.adapter.config = dataclasses.replace(adapter, shape_down=shapes["down"], shape_up=shapes["up"])
-    unknown = sorted(set(method) - {"name", "adapter", "optimizer", "description", "demonstrations", "probe"})
+    unknown = sorted(set(method) - {"name", "adapter", "optimizer", "description", "demonstrations", "probe",
+                                    "calibration"})
     if unknown:
         raise ConfigError(f"method {method['name']!r}: unknown key(s) {', '.join(unknown)}")
     if method.get("demonstrations") is not None:
@@ -133,6 +136,17 @@ def parse(cfg: DictConfig) -> Settings:
             raise ConfigError(f"method {method['name']!r}: method.{key} is training-free; set method.optimizer=null")
     if settings.demonstrations is not None and settings.probe is not None:
         raise ConfigError(f"method {method['name']!r}: choose method.demonstrations or method.probe, not both")
+    calibration = method.get("calibration") or "none"
+    if calibration not in CALIBRATIONS:
+        raise ConfigError(f"method.calibration={show(calibration)} is not one of {', '.join(CALIBRATIONS)}")
+    if calibration != "none":
+        if settings.optimizer is not None or settings.probe is not None:
+            raise ConfigError(f"method.calibration={calibration} calibrates a training-free prompt (zero_shot, icl); "
+                              f"method {method['name']!r} trains or probes: set method.calibration=none")
+        if settings.task.objective != "classification":
+            raise ConfigError(f"method.calibration={calibration} needs a classification task; task "
+                              f"{settings.task.name!r} is scored by its {settings.task.objective} objective")
+    settings.calibration = calibration
     if settings.probe is not None and settings.task.objective == "generation":
         raise ConfigError(
             f"method {method['name']!r}: a linear probe classifies; task {settings.task.name!r} generates text"

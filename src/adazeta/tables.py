@@ -22,6 +22,7 @@ from typing import Any, Iterable
 
 import pandas as pd
 
+from adazeta import stats
 from adazeta.errors import ConfigError
 from adazeta.record import main_score
 from adazeta.rundir import flatten, result_settings
@@ -109,10 +110,45 @@ def select_on_dev(results: pd.DataFrame) -> pd.DataFrame:
                 "test_mean": chosen["test"].mean(),
                 # ddof = 1: the seeds sample the runs one could make; with 3-5 of them ddof = 0 understates the spread
                 "test_std": chosen["test"].std(ddof=1) if len(chosen) > 1 else float("nan"),
+                **_intervals(chosen),
                 "peak_mem_mb": chosen["peak_mem_mb"].max(),
             }
         )
     return pd.DataFrame(out)
+
+
+def _intervals(chosen: pd.DataFrame) -> dict[str, Any]:
+    """95 % intervals of a cell's test metric: Student t over its seeds, and a bootstrap over test examples
+    (pooled over seeds) where every run kept its per-example predictions on the same examples; its code versions."""
+    t = stats.t_interval(list(chosen["test"]))
+    boot = stats.Interval(float("nan"), float("nan"), float("nan"), 0)
+    matrix = _test_correctness(list(chosen["path"]))
+    if matrix is not None:
+        boot = stats.bootstrap_interval(matrix, n_boot=2000, seed=0)
+    commits = sorted({str(c)[:7] for c in chosen["commit"] if c})
+    return {"test_lo": t.lo, "test_hi": t.hi, "test_boot_lo": boot.lo, "test_boot_hi": boot.hi,
+            "commits": " ".join(commits)}
+
+
+def _test_correctness(paths: list[str]) -> "np.ndarray | None":
+    """(runs x examples) per-example test scores (correct 0/1, or F1) from predictions/test.csv; None unless every
+    run has them and they cover the same examples."""
+    import numpy as np
+
+    rows, values = None, []
+    for path in paths:
+        try:
+            with open(Path(path) / "predictions" / "test.csv", newline="") as f:
+                kept = list(csv.DictReader(f))
+        except OSError:
+            return None
+        these = [r["row"] for r in kept]
+        if not kept or (rows is not None and these != rows):
+            return None
+        rows = these
+        column = "f1" if "f1" in kept[0] else "correct"
+        values.append([float(r[column]) for r in kept])
+    return np.array(values) if values else None
 
 
 # The published-numbers file (results/paper_numbers.csv): one number per row, with where it was read.
@@ -211,8 +247,10 @@ class Table:
     sources: list[Source]
 
     def legend(self) -> list[str]:
-        lines = ["Ours: mean (std over seeds, ddof = 1) of the setting selected on dev; †n: n of its runs diverged; "
-                 "—: no result."]
+        lines = ["Ours: test mean of the setting selected on dev [95 % Student-t interval over its seeds] (ex.: 95 % "
+                 "bootstrap interval over test examples, pooled over seeds, where runs kept their predictions); n: runs "
+                 "(seeds); †n: n of them diverged; ‡: its runs come from more than one code version; **bold**: the "
+                 "best mean of its column, only where its interval lies above every other method's; —: no result."]
         if not self.sources:
             return lines + ["No published numbers for this experiment."]
         lines.append("(paper): the published value (its std where the source gives one); the mark names where it "
@@ -220,15 +258,35 @@ class Table:
         return lines + [f"{MARKS[i]} {source.describe()}" for i, source in enumerate(self.sources)]
 
 
-def _cell(mean: float, std: float, diverged: int) -> str:
+def _cell(r: Any, bold: bool = False) -> str:
+    """``mean [t interval over seeds] (examples: bootstrap interval) n=runs †diverged ‡``, the mean in bold
+    when the column's ranking supports it (``_supported_best``)."""
+    mean = r["test_mean"]
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
         return MISSING
-    text = f"{100 * mean:.1f}"
-    if not math.isnan(std):
-        text += f" ({100 * std:.1f})"
-    if diverged:
-        text += f" †{diverged}"
+    text = f"**{100 * mean:.1f}**" if bold else f"{100 * mean:.1f}"
+    if not math.isnan(r.get("test_lo", math.nan)):
+        text += f" [{100 * r['test_lo']:.1f}, {100 * r['test_hi']:.1f}]"
+    if not math.isnan(r.get("test_boot_lo", math.nan)):
+        text += f" (ex. {100 * r['test_boot_lo']:.1f}-{100 * r['test_boot_hi']:.1f})"
+    text += f" n={int(r['runs'])}"
+    if r["diverged"]:
+        text += f" †{int(r['diverged'])}"
+    if len(str(r.get("commits") or "").split()) > 1:
+        text += " ‡"
     return text
+
+
+def _supported_best(cells: pd.DataFrame) -> str | None:
+    """The method whose mean is the column's best only when its interval over seeds lies above every other
+    method's (both intervals need two or more seeds); otherwise no method is marked best."""
+    ranked = cells.dropna(subset=["test_mean"]).sort_values("test_mean", ascending=False)
+    if len(ranked) < 2:
+        return None
+    top, rest = ranked.iloc[0], ranked.iloc[1:]
+    if math.isnan(top.get("test_lo", math.nan)) or rest["test_hi"].isna().any():
+        return None
+    return top["method"] if (top["test_lo"] > rest["test_hi"]).all() else None
 
 
 def _published(value: float, std: float) -> str:
@@ -253,14 +311,15 @@ def build_table(
     tasks = tasks or sorted(set(ours.get("task", [])) | set(theirs.get("task", [])))
     sources: list[Source] = []
     rows = []
+    shown = ours[ours["method"].isin(methods)] if len(ours) else ours
+    best = {task: _supported_best(shown[shown["task"] == task]) if len(shown) else None for task in tasks}
     for method in methods:
         row: dict[str, str] = {"method": method}
         used: set[int] = set()
         for task in tasks:
             hit = ours[(ours["method"] == method) & (ours["task"] == task)] if len(ours) else ours
             if len(hit):
-                r = hit.iloc[0]
-                row[task] = _cell(r["test_mean"], r["test_std"], int(r["diverged"]))
+                row[task] = _cell(hit.iloc[0], bold=best[task] == method)
             else:
                 row[task] = MISSING
             ref = theirs[(theirs["method"] == method) & (theirs["task"] == task)] if len(theirs) else theirs

@@ -458,7 +458,7 @@ def load_task(
     def make(rows: Rows, idx: Sequence[int]) -> list[Example]:
         examples = [render(spec, family, r, r.get("label", 0), mask_token) for r in rows.take(idx)]
         for example, i in zip(examples, idx):  # the source row, for per-example predictions across runs
-            example.meta.setdefault("row", int(i))
+            example.row = int(i)
         return examples
 
     train_rows = None

@@ -225,6 +225,8 @@ class Example:
     candidates: list[str]
     gold: int
     meta: dict[str, Any] = field(default_factory=dict)
+    # The example's row in its source split (file or Hub), for per-example predictions; not part of its identity.
+    row: int | None = field(default=None, compare=False)
 
 
 RenderHook = Callable[["TaskSpec", PromptFormat, dict[str, Any], int], Example]

@@ -1,0 +1,439 @@
+"""The report of a pre-registered claims experiment (``cpu_zo_claims``): each endpoint's verdict with its test.
+
+    python -m adazeta.claims_report [cpu_zo_claims] [--out results]
+
+Reads only the run files under results/runs/<experiment>/ (result.json, eval.csv, metrics.csv,
+predictions/test.csv) and the experiment's config (its ``endpoints`` block: the decision rules committed before
+the first run), and writes <out>/tables/<experiment>_report.md and <out>/figures/<experiment>_curves.png.
+Whatever has not run yet is reported as missing and its endpoint as unresolved, so the report can be made at any
+point of the experiment. Test is read only at each run's best-dev state; nothing here selects on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from adazeta import stats
+from adazeta.experiment import Job, grid, runs_at
+from adazeta.paths import config_dir
+
+MISSING = "—"
+CONFIRMED, REFUTED, UNRESOLVED = "confirmed", "refuted", "unresolved"
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    try:
+        with open(path) as f:
+            return list(csv.DictReader(f))
+    except OSError:
+        return []
+
+
+@dataclass
+class Point:
+    step: int
+    forwards: float
+    wall_s: float  # training time up to this evaluation (the steps' own time; evaluations not counted)
+    loss: float
+    accuracy: float
+
+
+@dataclass
+class Run:
+    arm: str
+    seed: int
+    rec: dict
+    curve: list[Point] = field(default_factory=list)
+    test_rows: list[str] = field(default_factory=list)  # source rows of the test examples, in order
+    test_correct: np.ndarray | None = None
+
+    @property
+    def unstable_reason(self) -> str | None:
+        """Why this run counts as unstable (the divergence rule stopped it, or late drift), else None."""
+        if self.rec.get("status") == "diverged":
+            return "diverged: " + str(self.rec.get("reason"))
+        return None
+
+    def drift(self) -> float:
+        """Final / best dev loss over the run's evaluations."""
+        losses = [p.loss for p in self.curve if not math.isnan(p.loss)]
+        return losses[-1] / min(losses) if losses else math.nan
+
+
+def load_run(arm: str, seed: int, run_dir: Path) -> Run | None:
+    try:
+        rec = json.loads((run_dir / "result.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or rec.get("status") not in ("finished", "diverged"):
+        return None
+    forwards, wall, total = {0: 0}, {0: 0.0}, 0.0
+    for r in read_csv(run_dir / "metrics.csv"):
+        total += float(r["step_time_s"])
+        forwards[int(r["step"])], wall[int(r["step"])] = int(r["forward_passes"]), total
+    curve = [Point(int(r["step"]), forwards.get(int(r["step"]), math.nan), wall.get(int(r["step"]), math.nan),
+                   float(r["loss"]), float(r["accuracy"]))
+             for r in read_csv(run_dir / "eval.csv") if r["split"] == "dev"]
+    rows = read_csv(run_dir / "predictions" / "test.csv")
+    correct = np.array([float(r["correct"]) for r in rows]) if rows else None
+    return Run(arm, seed, rec, curve, [r["row"] for r in rows], correct)
+
+
+def load_runs(name: str, config: dict) -> dict[str, dict[int, Run]]:
+    seeds = [int(s) for s in config["design"]["seeds"]]
+    out: dict[str, dict[int, Run]] = {}
+    for arm, spec in config["arms"].items():
+        out[arm] = {}
+        for seed in seeds:
+            if not runs_at(spec, seed):
+                continue
+            run = load_run(arm, seed, Job(arm, grid(spec)[0], seed, name, []).run_dir)
+            if run is not None:
+                out[arm][seed] = run
+    return out
+
+
+def planned(config: dict, arm: str) -> list[int]:
+    return [int(s) for s in config["design"]["seeds"] if runs_at(config["arms"][arm], int(s))]
+
+
+def correctness(runs: dict[int, Run]) -> tuple[np.ndarray | None, list[str]]:
+    """(seeds x examples) test correctness of an arm's runs with predictions, and their rows (checked equal)."""
+    kept = [r for _, r in sorted(runs.items()) if r.test_correct is not None]
+    if not kept:
+        return None, []
+    rows = kept[0].test_rows
+    for r in kept[1:]:
+        if r.test_rows != rows:
+            raise SystemExit(f"claims_report: {r.arm} seed {r.seed} was tested on other examples than seed "
+                             f"{kept[0].seed}: its runs are not paired (data.seed must be fixed)")
+    return np.stack([r.test_correct for r in kept]), rows
+
+
+def fmt(x: float, digits: int = 3) -> str:
+    return MISSING if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def fmt_p(p: float) -> str:
+    if p is None or math.isnan(p):
+        return MISSING
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def p_is(p: float) -> str:
+    """``p = 0.012`` or ``p < 0.001`` in a sentence."""
+    text = fmt_p(p)
+    return "p " + text if text.startswith("<") else "p = " + text
+
+
+# --- endpoints -------------------------------------------------------------------------------------------------
+
+
+def first_at_or_below(curve: list[Point], target: float) -> float:
+    for p in curve:
+        if p.loss <= target + 1e-9:  # the target is a mean of the reference's own losses: float rounding
+            return p.forwards
+    return math.inf
+
+
+def speed(runs: dict[str, dict[int, Run]], cfg: dict) -> tuple[list[str], list[str]]:
+    """Endpoint (a): forwards to MeZO-LoRA's plateau dev loss, per seed, as a share of MeZO-LoRA's own."""
+    ref, k, limit = cfg["reference"], int(cfg["plateau_evals"]), float(cfg["max_ratio"])
+    lines = [f"Target per seed: the mean of `{ref}`'s last {k} dev losses (its plateau, on the same dev set); "
+             f"r = forwards for the arm to reach it / forwards for `{ref}` to reach it; the claim: r <= {limit:.3g}.", "",
+             "| arm | seed | target (plateau) | ref. reaches at | arm reaches at | r |", "|---|---:|---:|---:|---:|---:|"]
+    verdicts = []
+    for arm in cfg["arms"]:
+        ratios, skipped = [], 0
+        for seed, r_ref in sorted(runs.get(ref, {}).items()):
+            run = runs.get(arm, {}).get(seed)
+            if run is None:
+                continue
+            if r_ref.rec["status"] != "finished" or len(r_ref.curve) < k:
+                skipped += 1
+                continue
+            target = float(np.mean([p.loss for p in r_ref.curve[-k:]]))
+            f_ref, f_arm = first_at_or_below(r_ref.curve, target), first_at_or_below(run.curve, target)
+            ratio = f_arm / f_ref
+            ratios.append(ratio)
+            lines.append(f"| {arm} | {seed} | {target:.4f} | {f_ref:.0f} | "
+                         f"{'never' if math.isinf(f_arm) else f'{f_arm:.0f}'} | {'∞' if math.isinf(ratio) else f'{ratio:.2f}'} |")
+        n, hits = len(ratios), sum(r <= limit for r in ratios)
+        if n == 0:
+            verdict = UNRESOLVED + " (no paired seeds yet)"
+        elif hits == n and n >= 2:
+            verdict = CONFIRMED
+        elif n - hits > n / 2:
+            verdict = REFUTED
+        else:
+            verdict = UNRESOLVED
+        finite = [r for r in ratios if not math.isinf(r)]
+        geo = math.exp(np.mean(np.log(finite))) if finite and len(finite) == n else math.nan
+        verdicts.append(f"- (a) speed, `{arm}`: **{verdict}**: r <= {limit:.3g} at {hits} of {n} seeds "
+                        f"(one-sided sign test {p_is(stats.sign_test(hits, n))}; geometric mean r = {fmt(geo, 2)})"
+                        + (f"; {skipped} seed(s) without a target (`{ref}` diverged)" if skipped else ""))
+    return verdicts, lines
+
+
+def stability(runs: dict[str, dict[int, Run]], cfg: dict, alpha: float) -> tuple[list[str], list[str]]:
+    """Endpoint (b): unstable runs (diverged, collapsed, or final / best dev loss above drift_ratio)."""
+    constant, drift_limit = cfg["constant"], float(cfg["drift_ratio"])
+
+    def unstable(run: Run) -> bool:
+        return run.unstable_reason is not None or run.drift() > drift_limit
+
+    lines = ["| arm | seed | status | final / best dev loss | unstable |", "|---|---:|---|---:|---|"]
+    for arm in [constant, *cfg["adaptive"]]:
+        for seed, run in sorted(runs.get(arm, {}).items()):
+            lines.append(f"| {arm} | {seed} | {run.rec['status']} | {run.drift():.3f} | "
+                         f"{'yes' if unstable(run) else 'no'}{': ' + run.unstable_reason if run.unstable_reason else ''} |")
+    verdicts = []
+    base = runs.get(constant, {})
+    bad_c = sum(unstable(r) for r in base.values())
+    for arm in cfg["adaptive"]:
+        mine = runs.get(arm, {})
+        bad_a = sum(unstable(r) for r in mine.values())
+        p = stats.fisher_less(bad_a, len(mine), bad_c, len(base))
+        shared = sorted(set(mine) & set(base))
+        flip = stats.sign_flip([mine[s].drift() - base[s].drift() for s in shared]) if shared else math.nan
+        if not mine or not base:
+            verdict = UNRESOLVED + " (runs missing)"
+        elif bad_c == 0:
+            verdict = UNRESOLVED + f" (no `{constant}` run was unstable: nothing to stabilise)"
+        elif bad_a < bad_c and p < alpha:
+            verdict = CONFIRMED
+        elif bad_a >= bad_c:
+            verdict = REFUTED
+        else:
+            verdict = UNRESOLVED
+        drift_diff = np.mean([mine[s].drift() - base[s].drift() for s in shared]) if shared else math.nan
+        verdicts.append(f"- (b) stability, `{arm}` vs `{constant}`: **{verdict}**: unstable {bad_a}/{len(mine)} vs "
+                        f"{bad_c}/{len(base)} (one-sided Fisher {p_is(p)}); final/best dev loss "
+                        f"{fmt(drift_diff)} vs `{constant}` paired by seed (sign-flip {p_is(flip)}, {len(shared)} seeds)")
+    return verdicts, lines
+
+
+def compare(a: Run | dict[int, Run], b: dict[int, Run], n_boot: int) -> dict | None:
+    """Paired comparison of two arms' test correctness: bootstrap over examples, McNemar pooled, sign-flip by seed."""
+    ca, rows_a = correctness(a)
+    cb, rows_b = correctness(b)
+    if ca is None or cb is None:
+        return None
+    if rows_a != rows_b:
+        raise SystemExit("claims_report: two arms were tested on different examples: not a paired comparison")
+    boot = stats.paired_bootstrap(ca, cb, n_boot=n_boot)
+    shared = sorted(set(a) & set(b))
+    if len(cb) == 1:  # a training-free baseline (one seed): every seed of a is paired with its one row
+        pooled_b, per_seed = np.repeat(cb, len(ca), axis=0), [float(x.mean() - cb[0].mean()) for x in ca]
+        pooled_a = ca
+    else:
+        keep_a = [s for s in sorted(a) if a[s].test_correct is not None and s in shared]
+        pooled_a = np.stack([a[s].test_correct for s in keep_a]) if keep_a else ca
+        pooled_b = np.stack([b[s].test_correct for s in keep_a]) if keep_a else cb
+        per_seed = [float(a[s].test_correct.mean() - b[s].test_correct.mean()) for s in keep_a]
+    mc = stats.mcnemar(pooled_a, pooled_b)
+    return {"boot": boot, "mcnemar": mc, "per_seed": per_seed, "flip": stats.sign_flip(per_seed) if per_seed else math.nan,
+            "seeds": (len(ca), len(cb))}
+
+
+def accuracy(runs: dict[str, dict[int, Run]], cfg: dict, n_boot: int, alpha: float) -> tuple[list[str], list[str]]:
+    """Endpoint (c): test accuracy at the best-dev state, paired per example and per seed."""
+    lines = ["| first arm | second arm | difference (points) [95 % CI] | paired bootstrap p | McNemar (first only / "
+             "second only, p) | per-seed differences | sign-flip p |", "|---|---|---|---:|---|---|---:|"]
+    verdicts = []
+    for first, second in cfg["pairs"]:
+        c = compare(runs.get(first, {}), runs.get(second, {}), n_boot)
+        if c is None:
+            verdicts.append(f"- (c) accuracy, `{first}` >= `{second}`: **{UNRESOLVED}** (runs missing)")
+            continue
+        b, m = c["boot"], c["mcnemar"]
+        if b.diff > 0 and b.p < alpha:
+            verdict = CONFIRMED
+        elif b.diff < 0 and b.p < alpha:
+            verdict = REFUTED
+        else:
+            verdict = UNRESOLVED
+        lines.append(f"| {first} | {second} | {100 * b.diff:+.1f} [{100 * b.lo:+.1f}, {100 * b.hi:+.1f}] | "
+                     f"{fmt_p(b.p)} | {m.a_only} / {m.b_only}, {fmt_p(m.p)} | "
+                     f"{', '.join(f'{100 * d:+.1f}' for d in c['per_seed'])} | {fmt_p(c['flip'])} |")
+        verdicts.append(f"- (c) accuracy, `{first}` >= `{second}`: **{verdict}**: {100 * b.diff:+.1f} points "
+                        f"[{100 * b.lo:+.1f}, {100 * b.hi:+.1f}], paired bootstrap {p_is(b.p)} "
+                        f"({c['seeds'][0]} vs {c['seeds'][1]} seeds)")
+    return verdicts, lines
+
+
+def baselines(runs: dict[str, dict[int, Run]], cfg: dict, zo_arms: list[str], n_boot: int) -> list[str]:
+    """Every ZO arm against the training-free baseline with the best dev accuracy (chosen on dev, never test)."""
+    candidates = [(np.mean([r.rec["dev_accuracy"] for r in runs[a].values()]), a) for a in cfg["baselines"]
+                  if runs.get(a)]
+    if not candidates:
+        return ["No training-free baseline has run yet."]
+    best_dev, best = max(candidates)
+    lines = [f"The strongest training-free baseline on dev is `{best}` (dev accuracy {100 * best_dev:.1f}); every ZO "
+             "arm against it and against raw `zero_shot` on test:", "",
+             "| arm | vs | difference (points) [95 % CI] | paired bootstrap p | McNemar p |", "|---|---|---|---:|---:|"]
+    for arm in zo_arms:
+        for base in dict.fromkeys([best, "zero_shot"]):
+            c = compare(runs.get(arm, {}), runs.get(base, {}), n_boot)
+            if c is None:
+                continue
+            b = c["boot"]
+            lines.append(f"| {arm} | {base} | {100 * b.diff:+.1f} [{100 * b.lo:+.1f}, {100 * b.hi:+.1f}] | "
+                         f"{fmt_p(b.p)} | {fmt_p(c['mcnemar'].p)} |")
+    return lines
+
+
+# --- tables and figure -----------------------------------------------------------------------------------------
+
+
+def overview(runs: dict[str, dict[int, Run]], config: dict, n_boot: int) -> list[str]:
+    lines = ["| arm | runs (finished / diverged of planned) | test accuracy: mean over seeds [95 % t CI] | "
+             "[95 % bootstrap CI over examples] | dev accuracy at best | best dev loss | forwards | peak MiB | "
+             "minutes a run | code |", "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for arm in config["arms"]:
+        got, plan = runs.get(arm, {}), planned(config, arm)
+        if not got:
+            lines.append(f"| {arm} | 0 / 0 of {len(plan)} | {MISSING} | {MISSING} | | | | | | |")
+            continue
+        recs = [r.rec for r in got.values()]
+        finished = sum(r["status"] == "finished" for r in recs)
+        t = stats.t_interval([r["test_accuracy"] for r in recs])
+        mat, _ = correctness(got)
+        boot = stats.bootstrap_interval(mat, n_boot=n_boot).show(100) if mat is not None else MISSING
+        commits = sorted({(r.get("git") or {}).get("commit", "?")[:7] + ("+dirty" if (r.get("git") or {}).get("dirty") else "")
+                          for r in recs})
+        lines.append(
+            f"| {arm} | {finished} / {len(recs) - finished} of {len(plan)} | {t.show(100)} | {boot} | "
+            f"{100 * np.mean([r['dev_accuracy'] for r in recs]):.1f} | {np.mean([r['dev_loss'] for r in recs]):.3f} | "
+            f"{np.mean([r.get('forward_passes', 0) for r in recs]):.0f} | {np.mean([r['peak_mem_mb'] for r in recs]):.0f} | "
+            f"{np.mean([r['wall_time_s'] for r in recs]) / 60:.0f} | {', '.join(commits)}"
+            + (" (**mixed versions**)" if len(commits) > 1 else "") + " |")
+    return lines
+
+
+def equal_budget(runs: dict[str, dict[int, Run]], arms: list[str], marks: list[int]) -> list[str]:
+    """Mean dev loss (and accuracy) of each arm at equal forward passes: the last evaluation at or before each mark."""
+    lines = ["| arm | " + " | ".join(str(m) for m in marks) + " |", "|---|" + "---:|" * len(marks)]
+    for arm in arms:
+        cells = []
+        for m in marks:
+            vals = []
+            for run in runs.get(arm, {}).values():
+                before = [p for p in run.curve if p.forwards <= m]
+                if before and run.curve[-1].forwards >= m:
+                    vals.append((before[-1].loss, before[-1].accuracy))
+            cells.append(f"{np.mean([v[0] for v in vals]):.3f} / {100 * np.mean([v[1] for v in vals]):.0f}"
+                         if vals else MISSING)
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def figure(runs: dict[str, dict[int, Run]], arms: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    colours = plt.get_cmap("tab10")
+    for i, arm in enumerate(arms):
+        for j, run in enumerate(sorted(runs.get(arm, {}).values(), key=lambda r: r.seed)):
+            xs = [p.forwards for p in run.curve]
+            ws = [p.wall_s / 60 for p in run.curve]
+            ys = [p.loss for p in run.curve]
+            label = arm if j == 0 else None
+            axes[0].plot(xs, ys, color=colours(i), alpha=0.8, lw=1.2, label=label)
+            axes[1].plot(ws, ys, color=colours(i), alpha=0.8, lw=1.2, label=label)
+    axes[0].set_xlabel("forward passes")
+    axes[1].set_xlabel("training minutes (evaluations excluded)")
+    axes[0].set_ylabel("dev loss (one line per seed)")
+    axes[0].legend(fontsize=8)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(name: str, out: Path) -> Path:
+    config = yaml.safe_load((Path(config_dir()) / "experiment" / f"{name}.yaml").read_text())
+    ends = config.get("endpoints")
+    if not ends:
+        raise SystemExit(f"claims_report: experiment {name} declares no `endpoints:`; it is not a claims experiment")
+    alpha, n_boot = float(ends.get("alpha", 0.05)), int(ends.get("bootstrap", 10000))
+    runs = load_runs(name, config)
+    zo = [ends["speed"]["reference"], *ends["speed"]["arms"]]  # the arms on the forward-pass budget
+    budget = int(config["train"]["max_forward_passes"])
+    every = int(config["train"]["eval_every_forwards"])
+    v_a, t_a = speed(runs, ends["speed"])
+    v_b, t_b = stability(runs, ends["stability"], alpha)
+    v_c, t_c = accuracy(runs, ends["accuracy"], n_boot, alpha)
+    seeds = config["design"]["seeds"]
+    text = [
+        f"# {name}: the pre-registered test of AdaZeta's claims",
+        "",
+        f"Generated by `python -m adazeta.claims_report {name}` from the run files; design and decision rules: "
+        f"`conf/experiment/{name}.yaml` (committed before the first run). SmolLM2-135M, SST-2, one data sample "
+        f"(data.seed {config['data']['seed']}: {config['data']['num_train']} train, {config['data']['num_dev']} dev, "
+        f"{config['data']['num_eval']} test), seeds {seeds}, budget {budget} forward passes for every ZO arm, dev every "
+        f"{every}. Learning rates were fixed in the config (chosen on dev in cpu_zo); nothing here is tuned on test. "
+        f"Intervals are 95 %; paired bootstrap {n_boot} resamples over test examples; alpha {alpha}.",
+        "",
+        "## Verdicts",
+        "",
+        *v_a, *v_b, *v_c,
+        "",
+        "## Arms",
+        "",
+        *overview(runs, config, n_boot),
+        "",
+        "## Equal budgets: mean dev loss / accuracy (%) at equal forward passes",
+        "",
+        *equal_budget(runs, zo, list(range(every, budget + 1, every * 2))),
+        "",
+        f"Curves against forward passes and against training time: `figures/{name}_curves.png`. Peak memory per arm is "
+        "in the table above (the whole process, MiB).",
+        "",
+        "## (a) Speed",
+        "",
+        *t_a,
+        "",
+        "## (b) Stability",
+        "",
+        *t_b,
+        "",
+        "## (c) Test accuracy, paired",
+        "",
+        *t_c,
+        "",
+        "## Against the paper's own baselines",
+        "",
+        *baselines(runs, ends["accuracy"], zo, n_boot),
+        "",
+    ]
+    path = out / "tables" / f"{name}_report.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(text))
+    figure(runs, zo, out / "figures" / f"{name}_curves.png")
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiment", nargs="?", default="cpu_zo_claims")
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    args = parser.parse_args()
+    print(report(args.experiment, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""The statistics every comparison in the tables and reports uses: intervals over seeds and over examples, and
+paired tests between two arms evaluated on the same examples.
+
+- ``t_interval``: a mean over seeds with its Student-t 95 % interval (ddof = 1);
+- ``bootstrap_interval``: the mean of per-example scores (seeds x examples) with a percentile interval from
+  resampling examples, the same resample for every seed;
+- ``paired_bootstrap``: the difference of two arms' means on the same examples (seeds x examples each), with its
+  interval and a two-sided p-value from resampling examples jointly (Koehn 2004; Dror et al. 2018);
+- ``mcnemar``: McNemar's exact test on the discordant pairs, pooled over seeds;
+- ``sign_flip``: the exact paired permutation test on seed-wise differences (all 2^n sign assignments);
+- ``sign_test`` and ``fisher_less``: exact one-sided tests for the pre-registered count endpoints.
+
+Everything is exact or seeded: the same inputs always give the same numbers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class Interval:
+    mean: float
+    lo: float
+    hi: float
+    n: int  # seeds (t_interval) or examples (bootstrap)
+
+    def excludes(self, value: float) -> bool:
+        return not (self.lo <= value <= self.hi)
+
+    def show(self, scale: float = 1.0, digits: int = 1) -> str:
+        """``mean [lo, hi]``; a single value when there is no interval (one seed)."""
+        if math.isnan(self.lo):
+            return f"{self.mean * scale:.{digits}f}"
+        return f"{self.mean * scale:.{digits}f} [{self.lo * scale:.{digits}f}, {self.hi * scale:.{digits}f}]"
+
+
+def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval:
+    """Mean of ``values`` (one per seed) and its Student-t interval; no interval (NaN ends) from one value."""
+    from scipy import stats
+
+    x = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=float)
+    if len(x) == 0:
+        return Interval(float("nan"), float("nan"), float("nan"), 0)
+    if len(x) == 1:
+        return Interval(float(x[0]), float("nan"), float("nan"), 1)
+    half = stats.t.ppf(0.5 + confidence / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
+    return Interval(float(x.mean()), float(x.mean() - half), float(x.mean() + half), len(x))
+
+
+def _as_matrix(scores: np.ndarray | Sequence) -> np.ndarray:
+    m = np.asarray(scores, dtype=float)
+    return m[None, :] if m.ndim == 1 else m
+
+
+def _resamples(n: int, n_boot: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+
+
+def bootstrap_interval(scores: np.ndarray | Sequence, n_boot: int = 10000, seed: int = 0,
+                       confidence: float = CONFIDENCE) -> Interval:
+    """Mean of per-example ``scores`` (seeds x examples, or one row) and its percentile bootstrap interval over
+    examples: each resample draws examples with replacement, the same ones for every seed."""
+    m = _as_matrix(scores)
+    per_example = m.mean(axis=0)  # averaging over seeds first: the resample is over examples
+    idx = _resamples(len(per_example), n_boot, seed)
+    means = per_example[idx].mean(axis=1)
+    lo, hi = np.quantile(means, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return Interval(float(per_example.mean()), float(lo), float(hi), len(per_example))
+
+
+@dataclass(frozen=True)
+class Paired:
+    diff: float  # mean(a) - mean(b)
+    lo: float
+    hi: float
+    p: float  # two-sided
+    n: int  # examples
+
+
+def paired_bootstrap(a: np.ndarray | Sequence, b: np.ndarray | Sequence, n_boot: int = 10000, seed: int = 0,
+                     confidence: float = CONFIDENCE) -> Paired:
+    """Difference of two arms' mean per-example scores on the same examples (seeds x examples each; the seed rows
+    need not pair up) with a percentile interval and a two-sided p-value, resampling examples jointly.
+
+    p = 2 x min(share of resampled differences <= 0, share >= 0), with the add-one correction, at most 1.
+    """
+    da, db = _as_matrix(a).mean(axis=0), _as_matrix(b).mean(axis=0)
+    if da.shape != db.shape:
+        raise ValueError(f"paired_bootstrap: the arms were scored on different examples ({da.shape} vs {db.shape})")
+    d = da - db
+    idx = _resamples(len(d), n_boot, seed)
+    means = d[idx].mean(axis=1)
+    lo, hi = np.quantile(means, [(1 - confidence) / 2, (1 + confidence) / 2])
+    below, above = (np.sum(means <= 0) + 1) / (n_boot + 1), (np.sum(means >= 0) + 1) / (n_boot + 1)
+    return Paired(float(d.mean()), float(lo), float(hi), float(min(1.0, 2 * min(below, above))), len(d))
+
+
+@dataclass(frozen=True)
+class McNemar:
+    a_only: int  # examples (x seeds) that a gets right and b wrong
+    b_only: int
+    p: float  # exact two-sided
+
+
+def mcnemar(a: np.ndarray | Sequence, b: np.ndarray | Sequence) -> McNemar:
+    """McNemar's exact test on 0/1 correctness, pooled over seeds: (seed, example) pairs that disagree."""
+    from scipy import stats
+
+    x, y = _as_matrix(a).astype(bool).ravel(), _as_matrix(b).astype(bool).ravel()
+    if x.shape != y.shape:
+        raise ValueError("mcnemar: the arms have different numbers of (seed, example) pairs")
+    a_only, b_only = int(np.sum(x & ~y)), int(np.sum(~x & y))
+    n = a_only + b_only
+    p = 1.0 if n == 0 else float(stats.binomtest(a_only, n, 0.5).pvalue)
+    return McNemar(a_only, b_only, p)
+
+
+def sign_flip(diffs: Sequence[float]) -> float:
+    """Exact two-sided paired permutation p-value of the mean of seed-wise ``diffs`` (all 2^n sign flips).
+
+    With n seeds the smallest possible p is 2 / 2^n (0.125 at 4 seeds): a per-seed test alone cannot reach 0.05.
+    """
+    d = np.asarray([v for v in diffs if not math.isnan(v)], dtype=float)
+    if len(d) == 0:
+        return float("nan")
+    observed = abs(d.mean())
+    flips = np.array(list(itertools.product((1.0, -1.0), repeat=len(d))))
+    return float(np.mean(np.abs((flips * d).mean(axis=1)) >= observed - 1e-12))
+
+
+def sign_test(successes: int, n: int) -> float:
+    """One-sided exact sign test: P(X >= successes) for X ~ Binomial(n, 1/2)."""
+    if n == 0:
+        return float("nan")
+    return float(sum(math.comb(n, k) for k in range(successes, n + 1)) / 2**n)
+
+
+def fisher_less(bad_a: int, n_a: int, bad_b: int, n_b: int) -> float:
+    """One-sided Fisher exact p that arm a's rate of bad runs is lower than arm b's."""
+    from scipy import stats
+
+    if n_a == 0 or n_b == 0:
+        return float("nan")
+    table = [[bad_a, n_a - bad_a], [bad_b, n_b - bad_b]]
+    return float(stats.fisher_exact(table, alternative="less").pvalue)

@@ -1,0 +1,104 @@
+"""adazeta.claims_report on hand-made run files: each endpoint's verdict follows the committed decision rules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from adazeta import claims_report
+from adazeta.experiment import Job, grid
+from helpers import ROOT
+
+CONFIG = yaml.safe_load((ROOT / "conf" / "experiment" / "cpu_zo_claims.yaml").read_text())
+
+
+def write_run(arm: str, seed: int, losses: list[float], correct: np.ndarray, status: str = "finished",
+              every: int = 200) -> None:
+    """A run whose dev loss is ``losses[i]`` after i x ``every`` forward passes (Q = 1: 2 forwards a step)."""
+    run_dir = Job(arm, grid(CONFIG["arms"][arm])[0], seed, "cpu_zo_claims", []).run_dir
+    (run_dir / "predictions").mkdir(parents=True)
+    steps = [i * every // 2 for i in range(len(losses))]
+    with open(run_dir / "metrics.csv", "w") as f:
+        f.write("step,epoch,loss,n_queries,forward_passes,lr,step_time_s,peak_mem_mb,param_norm\n")
+        for s in range(1, steps[-1] + 1):
+            f.write(f"{s},0,0.5,1,{2 * s},0.001,0.5,1000,1.0\n")
+    with open(run_dir / "eval.csv", "w") as f:
+        f.write("step,split,loss,accuracy,tied\n")
+        for s, loss in zip(steps, losses):
+            f.write(f"{s},dev,{loss},0.7,0.0\n")
+        f.write(f"{steps[-1]},test,0.5,{correct.mean()},0.0\n")
+    with open(run_dir / "predictions" / "test.csv", "w") as f:
+        f.write("index,row,gold,pred,correct,score_0,score_1\n")
+        for i, c in enumerate(correct):
+            f.write(f"{i},{1000 + i},1,{int(c)},{int(c)},-1.0,-0.5\n")
+    best = int(np.argmin(losses))
+    (run_dir / "result.json").write_text(json.dumps({
+        "status": status, "reason": "dev loss above 1.5 x best" if status == "diverged" else None,
+        "dev_accuracy": 0.7, "dev_loss": min(losses), "test_accuracy": float(correct.mean()),
+        "forward_passes": steps[-1] * 2, "peak_mem_mb": 1000.0, "wall_time_s": 3000.0, "best_step": steps[best],
+        "git": {"commit": "abcdef0123", "dirty": False}}))
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_verdicts_follow_the_preregistered_rules(results):
+    rng = np.random.default_rng(0)
+    n = 872
+    base = (rng.random(n) < 0.70).astype(float)
+    slow = [1.0 - 0.03 * i for i in range(16)]          # MeZO-LoRA: still falling, plateau = mean of its last 3
+    fast = [1.0, 0.5] + [0.45] * 14                        # reaches the plateau after 200 forwards: r = 200 / F_ref
+    drifting = [1.0, 0.6, 0.5] + [0.5 + 0.1 * i for i in range(1, 5)]  # the divergence rule stopped it
+    for seed in range(4):
+        write_run("mezo_lora", seed, slow, base)
+        better = base.copy()
+        better[np.flatnonzero(base == 0)[:60]] = 1.0       # +6.9 points on the same examples
+        write_run("ada_official", seed, fast, better)
+        write_run("ada_paper", seed, fast, better)
+        write_run("tt_q1", seed, drifting, base, status="diverged")
+    write_run("zero_shot", 0, [1.0], (rng.random(n) < 0.5).astype(float))
+    path = claims_report.report("cpu_zo_claims", results / "results")
+    text = path.read_text()
+    # (a) target = mean(last 3) = 1 - 0.03 * 14 = 0.58 reached by MeZO-LoRA at 2,800 forwards; the fast arms at 200
+    assert "| ada_official | 0 | 0.5800 | 2800 | 200 | 0.07 |" in text
+    assert "(a) speed, `ada_official`: **confirmed**: r <= 0.333 at 4 of 4 seeds (one-sided sign test p = 0.062" in text
+    # tt_q1 reaches 0.58 at 400 forwards too (0.5 < 0.58): r = 0.14
+    assert "(a) speed, `tt_q1`: **confirmed**" in text
+    # (b) every tt_q1 run diverged, no adaptive run did: Fisher p = 1 / 70
+    assert "(b) stability, `ada_official` vs `tt_q1`: **confirmed**: unstable 0/4 vs 4/4 (one-sided Fisher p = 0.014)" in text
+    # (c) +6.9 points on every seed
+    assert "(c) accuracy, `ada_official` >= `mezo_lora`: **confirmed**: +6.9 points" in text
+    assert "(c) accuracy, `tt_q1` >= `mezo_lora`: **unresolved**" in text  # identical predictions: p = 1
+    assert "| ada_official | mezo_lora | +6.9 [" in text and "| 240 / 0, < 0.001 | +6.9, +6.9, +6.9, +6.9 | 0.125 |" in text
+    assert "The strongest training-free baseline on dev is `zero_shot`" in text
+    assert (results / "results" / "figures" / "cpu_zo_claims_curves.png").stat().st_size > 1000
+
+
+def test_a_refuted_speed_claim_and_an_unstable_adaptive_arm_are_reported_as_refuted(results):
+    rng = np.random.default_rng(1)
+    base = (rng.random(100) < 0.7).astype(float)
+    for seed in range(4):
+        write_run("mezo_lora", seed, [1.0, 0.6] + [0.5] * 14, base)       # plateau 0.5 reached at 400
+        write_run("ada_official", seed, [1.0] * 10 + [0.5] * 6, base)      # at 2,000: r = 5
+        write_run("tt_q1", seed, [1.0, 0.5, 0.5, 0.5, 0.7], base, status="diverged" if seed == 0 else "finished")
+        write_run("ada_paper", seed, [1.0, 0.5, 0.9, 1.0, 1.0], base)     # drifts: final / best 2.0 on every seed
+    text = claims_report.report("cpu_zo_claims", results / "results").read_text()
+    assert "(a) speed, `ada_official`: **refuted**: r <= 0.333 at 0 of 4 seeds" in text
+    assert "(b) stability, `ada_paper` vs `tt_q1`: **refuted**: unstable 4/4 vs 4/4" in text
+
+
+def test_unpaired_runs_are_refused(results):
+    rng = np.random.default_rng(2)
+    write_run("mezo_lora", 0, [1.0, 0.5], (rng.random(10) < 0.5).astype(float))
+    write_run("mezo_lora", 1, [1.0, 0.5], (rng.random(10) < 0.5).astype(float))
+    other = Job("mezo_lora", 1e-3, 1, "cpu_zo_claims", []).run_dir / "predictions" / "test.csv"
+    other.write_text(other.read_text().replace(",1000,", ",9999,"))
+    with pytest.raises(SystemExit, match="not paired"):
+        claims_report.report("cpu_zo_claims", results / "results")

@@ -1,0 +1,75 @@
+"""adazeta.stats against hand computations: intervals, paired tests, exact count tests."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from adazeta import stats
+
+
+def test_t_interval_is_the_student_t_interval_over_seeds():
+    values = [0.70, 0.74, 0.78, 0.72]
+    iv = stats.t_interval(values)
+    mean = sum(values) / 4
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / 3)
+    half = 3.182446305284263 * sd / 2  # t(0.975, 3 dof)
+    assert (iv.mean, iv.lo, iv.hi, iv.n) == pytest.approx((mean, mean - half, mean + half, 4))
+    one = stats.t_interval([0.5])
+    assert one.mean == 0.5 and math.isnan(one.lo) and one.show(100) == "50.0"
+    assert iv.show(100) == f"{mean * 100:.1f} [{(mean - half) * 100:.1f}, {(mean + half) * 100:.1f}]"
+
+
+def test_bootstrap_interval_matches_the_normal_approximation_on_a_large_sample():
+    rng = np.random.default_rng(1)
+    correct = (rng.random((3, 2000)) < 0.7).astype(float)
+    iv = stats.bootstrap_interval(correct, n_boot=4000, seed=0)
+    per_example = correct.mean(axis=0)
+    se = per_example.std(ddof=1) / math.sqrt(2000)
+    assert iv.mean == pytest.approx(correct.mean())
+    assert (iv.hi - iv.lo) == pytest.approx(2 * 1.96 * se, rel=0.1)
+    assert iv == stats.bootstrap_interval(correct, n_boot=4000, seed=0)  # seeded: the same numbers
+
+
+def test_paired_bootstrap_difference_interval_and_p_value():
+    rng = np.random.default_rng(2)
+    b = (rng.random((4, 872)) < 0.70).astype(float)
+    same = stats.paired_bootstrap(b, b, n_boot=2000)
+    assert same.diff == 0 and same.p == 1.0
+    flipped = b.copy()
+    wrong = np.argwhere(b == 0)[:400]  # a gets 100 more (seed, example) pairs right on average per seed
+    flipped[tuple(wrong.T)] = 1.0
+    better = stats.paired_bootstrap(flipped, b, n_boot=2000)
+    assert better.diff == pytest.approx((flipped.mean() - b.mean()))
+    assert better.lo > 0 and better.p < 0.001
+    worse = stats.paired_bootstrap(b, flipped, n_boot=2000)
+    assert worse.diff == pytest.approx(-better.diff) and worse.hi < 0
+    with pytest.raises(ValueError, match="different examples"):
+        stats.paired_bootstrap(b, b[:, :10])
+
+
+def test_mcnemar_counts_discordant_pairs_pooled_over_seeds_and_is_exact():
+    a = np.array([[1, 1, 0, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
+    b = np.array([[1, 0, 0, 0, 1, 0], [0, 1, 1, 0, 0, 1]])
+    m = stats.mcnemar(a, b)
+    assert (m.a_only, m.b_only) == (4, 1)
+    by_hand = min(1.0, 2 * sum(math.comb(5, k) for k in range(4, 6)) / 2**5)
+    assert m.p == pytest.approx(by_hand)
+
+
+def test_sign_flip_is_the_exact_permutation_test_over_seeds():
+    assert stats.sign_flip([0.01, 0.02, 0.03, 0.04]) == pytest.approx(2 / 16)
+    diffs = [0.05, -0.01, 0.02]
+    mean = sum(diffs) / 3
+    flips = [[s1 * diffs[0], s2 * diffs[1], s3 * diffs[2]] for s1 in (1, -1) for s2 in (1, -1) for s3 in (1, -1)]
+    by_hand = sum(abs(sum(f) / 3) >= abs(mean) - 1e-12 for f in flips) / 8
+    assert stats.sign_flip(diffs) == pytest.approx(by_hand)
+
+
+def test_exact_count_tests():
+    assert stats.sign_test(4, 4) == pytest.approx(1 / 16)
+    assert stats.sign_test(3, 4) == pytest.approx(5 / 16)
+    assert stats.fisher_less(0, 4, 4, 4) == pytest.approx(1 / 70)
+    assert stats.fisher_less(2, 4, 2, 4) > 0.5
