@@ -319,16 +319,18 @@ def overview(runs: dict[str, dict[int, Run]], config: dict, n_boot: int) -> list
     return lines
 
 
-def equal_budget(runs: dict[str, dict[int, Run]], arms: list[str], marks: list[int]) -> list[str]:
-    """Mean dev loss (and accuracy) of each arm at equal forward passes: the last evaluation at or before each mark."""
-    lines = ["| arm | " + " | ".join(str(m) for m in marks) + " |", "|---|" + "---:|" * len(marks)]
+def equal_budget(runs: dict[str, dict[int, Run]], arms: list[str], marks: list[float], axis: str = "forwards",
+                 label=lambda m: f"{m:g}") -> list[str]:
+    """Mean dev loss / accuracy of each arm at equal budgets on ``axis`` (``forwards`` or ``wall_s``): each run's
+    last evaluation at or before the mark, for the runs that got that far."""
+    lines = ["| arm | " + " | ".join(label(m) for m in marks) + " |", "|---|" + "---:|" * len(marks)]
     for arm in arms:
         cells = []
         for m in marks:
             vals = []
             for run in runs.get(arm, {}).values():
-                before = [p for p in run.curve if p.forwards <= m]
-                if before and run.curve[-1].forwards >= m:
+                before = [p for p in run.curve if getattr(p, axis) <= m]
+                if before and getattr(run.curve[-1], axis) >= m:
                     vals.append((before[-1].loss, before[-1].accuracy))
             cells.append(f"{np.mean([v[0] for v in vals]):.3f} / {100 * np.mean([v[1] for v in vals]):.0f}"
                          if vals else MISSING)
@@ -399,6 +401,11 @@ def report(name: str, out: Path) -> Path:
         "## Equal budgets: mean dev loss / accuracy (%) at equal forward passes",
         "",
         *equal_budget(runs, zo, list(range(every, budget + 1, every * 2))),
+        "",
+        "At equal training time (minutes of steps, evaluations excluded; the same machine, one thread a run, two runs "
+        "at a time):",
+        "",
+        *equal_budget(runs, zo, [60.0 * m for m in (5, 10, 20, 30, 40, 50)], "wall_s", label=lambda m: f"{m / 60:.0f} min"),
         "",
         f"Curves against forward passes and against training time: `figures/{name}_curves.png`. Peak memory per arm is "
         "in the table above (the whole process, MiB).",

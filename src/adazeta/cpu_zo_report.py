@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from adazeta import stats
 from adazeta.paths import config_dir
 from adazeta.experiment import UNDECIDED, Job, chosen_lr, grid
 
@@ -46,6 +47,7 @@ def load(run_dir: Path) -> dict | None:
     curve = [(forwards.get(int(r["step"]), math.nan), float(r["loss"]), float(r["accuracy"]))
              for r in read_csv(run_dir / "eval.csv") if r["split"] == "dev"]
     rec["curve"] = curve
+    rec["run_dir"] = str(run_dir)
     return rec
 
 
@@ -121,7 +123,8 @@ def main() -> None:
 
     lines += [
         "",
-        f"## Chosen settings over seeds {seeds}: mean (std over seeds, ddof = 1)",
+        f"## Chosen settings over seeds {seeds}: test accuracy as mean [95 % Student-t interval over seeds]; the other "
+        "columns mean (std over seeds, ddof = 1)",
         "",
         f"`to dev acc {args.target}`: forward passes until the first dev evaluation at or above it (runs that never "
         "get there are counted in `reached`). `to MeZO-LoRA's final dev loss`: forward passes until dev loss "
@@ -146,7 +149,7 @@ def main() -> None:
         gain = 100 * (statistics.mean(tests) - zero_test)
         lines.append(
             f"| {arm} | {'—' if lr is None else f'{lr:g}'} | {len(rs)} | {sum(r['status'] == 'diverged' for r in rs)} | "
-            f"{start:.3f} -> {best:.3f} | {mean_std(tests, 100)} | {gain:+.1f} | "
+            f"{start:.3f} -> {best:.3f} | {stats.t_interval(tests).show(100)} | {gain:+.1f} | "
             f"{mean_std(reach, digits=0)} ({sum(not math.isnan(x) for x in reach)}/{len(rs)}) | "
             f"{mean_std(hit, digits=0)} ({sum(not math.isnan(x) for x in hit)}/{len(rs)}) | "
             f"{mean_std([r.get('forward_passes', 0) / max(2 * r.get('steps', 1), 1) for r in rs], digits=2) if not arms[arm].get('first_order') and lr is not None else '—'} |"
@@ -198,12 +201,31 @@ def main() -> None:
                          f"passes, {cost / lora_cost:.2f}x MeZO-LoRA's {lora_cost:g}: the 1/3 claim is {verdict}.")
     if not verdict_speed:
         lines.append("- AdaZeta against MeZO-LoRA: not measurable yet.")
+    lines += ["", "## What these numbers cannot show", "", *limits(config, [r for rs in runs.values() for r in rs])]
     out = Path("results", "tables", f"{name}_report.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
     plot(name, order, runs, arms, zero_test, Path("results", "figures", f"{name}.png"), args.target)
     plot_grids(name, order, arms, select_seed, Path("results", "figures", f"{name}_grid.png"))
+
+
+def limits(config: dict, records: list[dict]) -> list[str]:
+    """The report's own caveats, read from the config and the records: data samples, code versions, seeds."""
+    out = []
+    if (config.get("data") or {}).get("seed") is None:
+        out.append("- The train / dev sample follows the run seed (data.seed unset): each seed trains and selects on "
+                   "a different sample, so a target pooled over seeds mixes dev sets, and runs of different arms are "
+                   "paired only at the same seed. `cpu_zo_claims` fixes one sample for every arm and seed.")
+    commits = {(r.get("git") or {}).get("commit") for r in records}
+    dirty = sum(bool((r.get("git") or {}).get("dirty")) for r in records)
+    if len(commits) > 1 or dirty:
+        out.append(f"- Provenance: these {len(records)} chosen runs come from {len(commits)} code versions, and "
+                   f"{dirty} ran from a tree with uncommitted changes (`git.dirty` in result.json).")
+    if not any((Path(r.get("run_dir", "")) / "predictions").is_dir() for r in records):
+        out.append("- No run kept per-example predictions, so arms can only be compared over seeds (Welch-type), not "
+                   "example by example; with 3 seeds a difference of a few points is not resolvable.")
+    return out or ["- Nothing recorded limits these comparisons."]
 
 
 def plot_grids(name, order, arms, seed, path: Path) -> None:
