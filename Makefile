@@ -21,7 +21,8 @@ DEMO_ARGS ?= method=adazeta task=sst2 model=smollm2-135m method.adapter.init=ide
              method.optimizer.lr=3e-4 train.max_steps=110 train.eval_every=55 \
              data.num_train=1000 data.num_dev=100 data.num_eval=200 wandb.mode=disabled
 
-.PHONY: help setup demo test test-fast dry-run tables figures cpu-convergence cpu-zo cpu-zo-report grad-fidelity \
+.PHONY: help setup demo test test-fast dry-run tables figures cpu-convergence cpu-zo cpu-zo-report cpu-zo-claims \
+        cpu-zo-claims-report grad-fidelity \
         bench-memory bench bench-gpu bench-dist clean
 
 help:
@@ -35,6 +36,8 @@ help:
 	@echo "make cpu-convergence  the first, small CPU run: AdaZeta vs MeZO-LoRA vs MeZO, 100 forward passes"
 	@echo "make cpu-zo     the CPU experiment that tests AdaZeta's claims (hours; resumable: finished runs are skipped)"
 	@echo "make cpu-zo-report    its table and figures from whatever has run"
+	@echo "make cpu-zo-claims    the pre-registered test of AdaZeta's claims (days on 2 cores; finished runs are skipped)"
+	@echo "make cpu-zo-claims-report  each endpoint's verdict (confirmed / refuted / unresolved) with its test"
 	@echo "make grad-fidelity    ZO estimate vs autograd gradient as Q grows, per method (about an hour on 1 core)"
 	@echo "make bench-memory     peak memory per method on SmolLM2, one batch of 16 SST-2 prompts (a few minutes)"
 	@echo "make bench      speed: forwards, ZO steps, every ZO method, scaling, eval throughput, memory (~25 min CPU)"
@@ -77,6 +80,12 @@ cpu-zo: setup
 cpu-zo-report: setup
 	$(BIN)/python -m adazeta.cpu_zo_report
 	$(BIN)/python -m adazeta.make_tables
+
+cpu-zo-claims: setup
+	$(BIN)/python -m adazeta.experiment cpu_zo_claims wandb.mode=offline
+
+cpu-zo-claims-report: setup
+	$(BIN)/python -m adazeta.claims_report cpu_zo_claims
 
 grad-fidelity: setup
 	$(BIN)/python -m adazeta.grad_fidelity
