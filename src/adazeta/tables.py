@@ -36,10 +36,17 @@ GROUP = ["experiment", "model", "task", "method"]
 MISSING = "—"
 
 
+# Settings added after runs were recorded, with the value that reproduces the older behaviour: a record without
+# the key and one with this value are the same setting (as ``rundir.config_differences`` treats them).
+ADDED_DEFAULTS = {"train.select_on": "loss", "train.select_from": 0, "method.calibration": "none"}
+
+
 def setting_of(config: dict[str, Any]) -> dict[str, Any]:
     """The hyper-parameters of a run: what decides its numbers (``rundir.result_settings``: no paths, logging
-    keys, experiment plan or the other model family's prompt format), without its seeds and label."""
-    return {k: v for k, v in sorted(result_settings(config).items()) if k not in SEED_KEYS | LABEL_KEYS}
+    keys, experiment plan or the other model family's prompt format), without its seeds and label, and without
+    later-added keys at their old-behaviour value (``ADDED_DEFAULTS``)."""
+    return {k: v for k, v in sorted(result_settings(config).items())
+            if k not in SEED_KEYS | LABEL_KEYS and not (k in ADDED_DEFAULTS and v == ADDED_DEFAULTS[k])}
 
 
 def setting_id(setting: dict[str, Any]) -> str:

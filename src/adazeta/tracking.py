@@ -49,7 +49,7 @@ class WandbConfig:
             raise ConfigError(f"wandb.mode={self.mode!r} is not one of {', '.join(WANDB_MODES)}")
 
 
-DIVERGENCE_RULES = ("best", "initial")
+DIVERGENCE_RULES = ("best", "initial", "none")
 
 
 @dataclass
@@ -59,7 +59,9 @@ class DivergenceConfig:
 
     rule ``best``: the reference is the best dev loss seen so far, so a run that learned and then climbs back
     (Figure 1's MeZO-LoRA: 0.36 -> 0.7) is caught; ``initial``: the first dev loss (the older, laxer rule: a
-    run that starts high can fall and climb back to its start unnoticed).
+    run that starts high can fall and climb back to its start unnoticed); ``none``: no dev-loss rule, as the
+    reference trainers (a run trains every step; a non-finite loss still ends it, and a collapse unless
+    ``collapse`` is off).
     """
 
     rule: str = "best"
@@ -113,6 +115,9 @@ class DivergenceMonitor:
             return f"collapsed: {tied:.0%} of dev examples score all candidates the same (dev loss {dev_loss:.6f})"
         if self.initial is None:
             self.initial = self.best = dev_loss
+            return None
+        if self.cfg.rule == "none":
+            self.best = min(self.best, dev_loss)
             return None
         reference = self.best if self.cfg.rule == "best" else self.initial
         if dev_loss > self.cfg.factor * reference:

@@ -29,6 +29,9 @@ from adazeta.tasks.objectives import gold_only
 from adazeta.tracking import DivergenceMonitor, Progress, Tracker, peak_memory_mb, sync
 
 
+SELECT_ON = ("loss", "metric")
+
+
 @dataclass
 class TrainConfig:
     max_steps: int = 10000  # optimizer steps (10,000 in AdaZeta's Llama-2-7B runs)
@@ -44,8 +47,19 @@ class TrainConfig:
     # Write a checkpoint (trainable and optimizer state, data order, RNG, best-dev state) every this many steps, so
     # that a killed run resumes from it; null: only when the run is interrupted (SIGTERM / SIGINT).
     checkpoint_every: int | None = None
+    # Which dev evaluation's state is kept for test: the lowest dev `loss` (the project's default; MeZO's large-model
+    # trainer), or the best task `metric` (accuracy / F1: LM-BFF's and MeZO's RoBERTa trainers; ties keep the
+    # earlier evaluation).
+    select_on: str = "loss"
+    # Evaluations before this step are logged but never kept as the best state (the reference trainers evaluate
+    # from their first `eval_steps` on: the untrained model is never their "best" checkpoint); 0 keeps step 0 too.
+    select_from: int = 0
 
     def __post_init__(self) -> None:
+        if self.select_on not in SELECT_ON:
+            raise ConfigError(f"train.select_on={self.select_on!r} is not one of {', '.join(SELECT_ON)}")
+        if self.select_from < 0:
+            raise ConfigError(f"train.select_from={self.select_from} must be >= 0")
         if self.max_forward_passes is not None and self.max_forward_passes < 1:
             raise ConfigError(f"train.max_forward_passes={self.max_forward_passes} must be >= 1 or null")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
@@ -301,7 +315,8 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
                 result = dev_eval(step)
                 progress.evaluated(step, result.score, result.metric)
                 # A collapsed model's loss (exactly ln #candidates) can be below a high start: never keep it.
-                if result.loss < best.loss and not monitor.collapsed(result.tied):
+                if step >= cfg.select_from and not monitor.collapsed(result.tied) and (
+                        best_step < cfg.select_from or better(result, best, cfg.select_on)):
                     best, best_step = result, step
                     best_state = trainable_state(model) if cfg.keep_best else None
                 reason = monitor.update(result.loss, result.tied)
@@ -329,6 +344,12 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
     test = evaluate(scorer, splits.test, obj.test_generation, desc="test", keep=True)
     tracker.log_eval(best_step, "test", test.loss, test.score, test.tied)
     return Outcome(status, reason, step, best_step, initial, best, test, forward_passes)
+
+
+def better(result: EvalResult, best: EvalResult, select_on: str) -> bool:
+    """Whether ``result`` replaces ``best`` as the kept state: a strictly lower dev loss, or a strictly higher
+    task metric (ties keep the earlier evaluation, as LM-BFF's and MeZO's trainers do)."""
+    return result.score > best.score if select_on == "metric" else result.loss < best.loss
 
 
 def _no_examples() -> torch.Tensor:
