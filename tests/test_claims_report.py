@@ -102,3 +102,31 @@ def test_unpaired_runs_are_refused(results):
     other.write_text(other.read_text().replace(",1000,", ",9999,"))
     with pytest.raises(SystemExit, match="not paired"):
         claims_report.report("cpu_zo_claims", results / "results")
+
+
+def test_the_readme_cpu_zo_table_is_the_reports():
+    """The README's cpu_zo numbers are checked against results/tables/cpu_zo_report.md, which is generated from
+    the committed run files (python -m adazeta.cpu_zo_report)."""
+    import re
+
+    report = (ROOT / "results" / "tables" / "cpu_zo_report.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    readme = readme[readme.index("### The experiment: `experiment=cpu_zo`"):readme.index("MeZO's grid first held")]
+    rows = {}
+    for line in report.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 10 and re.fullmatch(r"[a-z_0-9]+", cells[0]) and cells[0] != "arm":
+            rows[cells[0]] = cells
+    checked = 0
+    for line in readme.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) != 5 or not cells[0]:
+            continue
+        arm = cells[0].split()[0].rstrip(",")
+        if arm in rows and rows[arm][3] == "0":
+            start_best = rows[arm][4]
+            assert cells[1] == start_best or cells[1] == start_best.split(" ->")[0], (arm, cells[1], start_best)
+            assert cells[2] == rows[arm][5] or (arm == "zero_shot" and cells[2] == rows[arm][5].split(" [")[0])
+            assert cells[3] == ("" if arm == "zero_shot" else rows[arm][6])
+            checked += 1
+    assert checked == 7
