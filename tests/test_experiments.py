@@ -78,7 +78,7 @@ def test_table2_composes_to_what_the_reference_scripts_ran(method):
     elif method in ("mezo", "mezo_lora", "sparse_mezo"):
         assert set(queries(s)) == {1}  # the MeZO trainer: one query per step
     if method == "mezo_lora":
-        assert (s.adapter.config.r, s.adapter.config.alpha) == (8, 16)  # run.py's lora_r default; RANK is the TT rank
+        assert (s.adapter.config.r, s.adapter.config.alpha) == (5, 16)  # run.py:677 copies RANK=5 into lora_r
     if method == "sparse_mezo":
         assert (s.optimizer.config.mask, s.optimizer.config.sparsity) == ("random", 0.75)  # trainer_sparse.py
 

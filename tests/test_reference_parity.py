@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 
 import pytest
+import torch
 
 from adazeta.run import parse, run
 from adazeta.tracking import DivergenceConfig, DivergenceMonitor
@@ -61,3 +62,174 @@ def test_bad_selection_settings_are_one_line_errors(fixture_data):
         parse(compose_cfg(tiny_overrides(fixture_data, "train.select_on=acc")))
     with pytest.raises(ConfigError, match="train.select_from=-1 must be >= 0"):
         parse(compose_cfg(tiny_overrides(fixture_data, "train.select_from=-1")))
+
+
+
+# --- item by item: the reference's constants and rules, written out here -------------------------------------
+
+
+def settings(*overrides: str):
+    return parse(compose_cfg(list(overrides)))
+
+
+def test_mezo_lora_rank_per_table():
+    # AdaZeta large_models/run.py:677 `args.lora_r = args.rank`, run_all_large_exp.sh RANK=5, lora_alpha default 16;
+    # medium_models/run.py:271-272 lora_r = 8, lora_alpha = 16 (mezo.sh passes no --lora_r)
+    llama = settings("experiment=table2_llama", "method=mezo_lora", "task=rte").adapter.config
+    roberta = settings("experiment=table1_roberta", "method=mezo_lora", "task=sst2").adapter.config
+    assert (llama.r, llama.alpha, llama.train_head) == (5, 16, False)
+    assert (roberta.r, roberta.alpha, roberta.train_head) == (8, 16, True)
+
+
+def roberta_with(method: str):
+    from transformers import AutoConfig, AutoModelForMaskedLM
+
+    from adazeta.adapters import ADAPTERS
+
+    config = AutoConfig.for_model("roberta", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, vocab_size=100)
+    model = AutoModelForMaskedLM.from_config(config).eval()
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    s = settings("experiment=table1_roberta", f"method={method}", "task=sst2")
+    return names, ADAPTERS.get(s.adapter.kind).builder(model, s.adapter.config)
+
+
+def test_roberta_mezo_lora_trains_lora_and_the_untied_lm_head_as_the_reference():
+    _, model = roberta_with("mezo_lora")
+    trainable = {n.removeprefix("base_model.model.") for n, p in model.named_parameters() if p.requires_grad}
+    every = {n.removeprefix("base_model.model.") for n, _ in model.named_parameters()}
+    # medium_models/run.py 989-992: freeze `roberta.*` parameters whose name holds no "lora"; the rest trains
+    expected = {n for n in every if not (n.startswith("roberta") and "lora" not in n)}
+    assert trainable == expected
+    assert any(n.startswith("lm_head.decoder") or n == "lm_head.bias" for n in trainable)
+    base = model.get_base_model()
+    assert base.lm_head.decoder.weight is not base.roberta.embeddings.word_embeddings.weight  # untied
+    assert torch.equal(base.lm_head.decoder.weight, base.roberta.embeddings.word_embeddings.weight)  # same values
+
+
+def test_roberta_full_methods_train_everything_but_the_frozen_untied_head():
+    _, model = roberta_with("mezo")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    # medium_models/run.py 1046-1049: `if "lm_head" in name: param.requires_grad = False` (tuning_type != lora)
+    expected = {n for n, _ in model.named_parameters() if "lm_head" not in n}
+    assert trainable == expected
+    assert model.lm_head.decoder.weight is not model.roberta.embeddings.word_embeddings.weight
+    assert not model.config.tie_word_embeddings
+
+
+def test_lm_loss_is_the_cross_entropy_over_all_gold_tokens_of_the_batch():
+    """MeZO large_models/utils.py: shift_labels masked to the option tokens, one CrossEntropyLoss over the batch."""
+    import torch.nn.functional as F
+
+    from adazeta.models import load_model
+    from adazeta.scoring import Encoded, Scorer
+
+    s = settings("model=tiny-llama", "task=copa", "train.lm_reduction=token")
+    loaded = load_model(s.model, seed=0)
+    model = loaded.model.eval()
+    items = [Encoded([1, 5, 6, 7], [[8]], 0), Encoded([1, 9, 10], [[11, 12, 13]], 0), Encoded([1, 4], [[2, 3]], 0)]
+    from adazeta.tasks.objectives import Objective
+
+    scorer = Scorer.of(model, loaded.tokenizer, "causal", objective=Objective("lm", token_weighted=True))
+    ours = float(scorer.loss(scorer.collate(items)))
+    # the reference, written out: every row is prompt + gold option; CE on the option tokens only, pooled
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for it in items:
+            ids = torch.tensor([it.prompt + it.candidates[0]])
+            logits = model(input_ids=ids).logits[0, :-1]
+            labels = ids[0, 1:].clone()
+            labels[: -len(it.candidates[0])] = -100
+            nll += float(F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum"))
+            count += len(it.candidates[0])
+    assert ours == pytest.approx(nll / count, rel=1e-5)
+    per_example = Scorer.of(model, loaded.tokenizer, "causal", objective=Objective("lm"))
+    assert float(per_example.loss(per_example.collate(items))) != pytest.approx(ours, rel=1e-3)  # the other reduction
+    assert settings("experiment=table2_llama", "method=mezo", "task=copa").train.lm_reduction == "token"
+
+
+@pytest.mark.parametrize("experiment,method", [(e, m) for e in ("table1_roberta", "table2_llama") for m in ("ft", "lora")])
+def test_first_order_baselines_clip_at_hf_trainers_default(experiment, method):
+    # transformers.TrainingArguments.max_grad_norm = 1.0; no reference script passes --max_grad_norm
+    from transformers import TrainingArguments
+
+    assert settings(f"experiment={experiment}", f"method={method}", "task=rte").optimizer.config.grad_clip == \
+        TrainingArguments.__dataclass_fields__["max_grad_norm"].default
+
+
+def test_icl_per_example_demonstrations_are_mezos_draws():
+    """MeZO tasks.py sample_train_sets: under temp_seed(0), seeds = np.random.randint(0, 10000, n_eval); each eval
+    sample's train set is sample_subset(train, seed=seeds[i], 32): np.random.seed(seed); permutation(len)[:32]."""
+    import numpy as np
+
+    from adazeta.icl import per_example_indices
+
+    n_eval, n_train = 6, 500
+    state = np.random.get_state()
+    np.random.seed(0)
+    seeds = np.random.randint(0, 10000, n_eval)
+    expected = []
+    for seed in seeds:
+        np.random.seed(seed)
+        expected.append(np.random.permutation(n_train).tolist()[:32])
+    np.random.set_state(state)
+    assert per_example_indices(n_eval, n_train, 32) == expected
+    assert settings("experiment=table2_llama", "method=icl", "task=rte").demonstrations.protocol == "per_example"
+
+
+def test_an_icl_run_gives_every_test_prompt_its_own_demonstrations(fixture_data, tmp_path):
+    from adazeta.run import build
+
+    s = settings(*tiny_overrides(fixture_data, "method=icl", "method.demonstrations.k=2",
+                                 "method.demonstrations.protocol=per_example", "model.max_length=2048"))
+    b = build(s)
+    prompts = [e.prompt for e in b.data.eval]
+    assert len(set(p.split("\n\n")[0] for p in prompts)) > 1  # not one shared set
+    assert all(p.count("\n\n") >= 2 and p == p.lstrip() for p in prompts)
+
+
+def test_mezo_linear_probe_is_logistic_regression_cv_with_the_references_arguments():
+    import numpy as np
+    from sklearn.linear_model import LogisticRegressionCV
+
+    from adazeta.probe import ProbeConfig, fit_probe
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 6)).astype(np.float32)
+    y = (x[:, 0] + 0.5 * rng.normal(size=120) > 0).astype(int)
+    probe, _ = fit_probe(x, y, x[:10], y[:10], ProbeConfig(variant="mezo"), 2)
+    # MeZO large_models/trainer.py: LogisticRegressionCV(max_iter=5000, fit_intercept=False, random_state=0, tol=1e-4)
+    reference = LogisticRegressionCV(max_iter=5000, fit_intercept=False, random_state=0, tol=1e-4).fit(x, y)
+    assert probe.scaler is None
+    assert np.array_equal(probe.probabilities(x).argmax(1), reference.predict(x))
+    assert probe.C == pytest.approx(float(reference.C_[0]))
+
+
+def test_templates_as_mezos():
+    from adazeta.tasks.spec import render
+
+    boolq = settings("task=boolq").task
+    row = {"passage": "Water boils at 100 C", "question": "does water boil at 100 c", "label": True}
+    ex = render(boolq, "causal", row, boolq.labels.index(True))
+    # templates.py BoolQTemplateV3: f"{passage} {question}\n", candidates ["Yes", "No"], correct "Yes" if answer
+    assert ex.prompt == "Water boils at 100 C Does water boil at 100 c?\n"
+    assert ex.candidates == ["Yes", "No"] and ex.candidates[ex.gold] == "Yes"
+    drop = settings("task=drop").task
+    ex = render(drop, "causal", {"context": "C.", "question": "  How many?  ", "answers": ["2"]}, 0)
+    assert ex.prompt == "Passage: C.\nQuestion: How many?\nAnswer:"  # question.strip(), context as is
+    multirc = settings("task=multirc").task
+    ex = render(multirc, "causal", {"paragraph": "\n  Para.", "question": "Q?", "answer": "A", "label": 1}, 1)
+    mezo = f"{chr(10)}  Para.\nQuestion: Q?\nI found this answer \"A\". Is that correct? Yes or No?\n".lstrip()
+    assert ex.prompt == mezo  # encode_prompt: (demos + "\n\n" + text).lstrip()
+
+
+def test_table_experiments_select_and_never_stop_as_the_reference():
+    t1 = settings("experiment=table1_roberta", "method=mezo", "task=sst2")
+    t2 = settings("experiment=table2_llama", "method=mezo", "task=rte")
+    assert (t1.train.select_on, t1.train.select_from, t1.divergence.rule, t1.divergence.collapse) == \
+        ("metric", t1.train.eval_every, "none", False)
+    assert (t2.train.select_on, t2.train.select_from, t2.divergence.rule, t2.divergence.collapse) == \
+        ("loss", t2.train.eval_every, "none", False)
+    ft = settings("experiment=table2_llama", "method=ft", "task=rte")
+    assert not ft.train.keep_best  # finetune.sh never evaluates within its 3 epochs: the final model is tested
+    assert settings("experiment=table2_llama", "method=lp", "task=rte").probe.variant == "mezo"

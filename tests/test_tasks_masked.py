@@ -87,9 +87,22 @@ def test_lm_bff_kshot_runs_end_to_end_on_tiny_roberta(task, kshot_data, tmp_path
     assert saved["test_loss"] > 0  # cross-entropy over the label words at the mask
 
 
-def test_masked_test_set_is_subsampled_with_the_data_seed(kshot_data, tmp_path):
+def test_masked_test_set_is_lm_bffs_one_draw_with_seed_42_whatever_the_data_seed(kshot_data, tmp_path):
+    """generate_k_shot_data.py (k-shot-1k-test): np.random.seed(42); np.random.shuffle(test_lines); first 1,000, for
+    every data seed. Computed here with numpy's legacy global generator, as the reference does."""
+    import csv
+
+    import numpy as np
+
     record = masked_run(kshot_data, tmp_path, "sst2", "zero_shot", "data.num_eval=7")
     assert record["num_eval"] == 7
+    n = 2 * 10  # the fixture's sst2 test.tsv: 10 per class
+    lines = list(range(n))
+    np.random.seed(42)
+    np.random.shuffle(lines)
+    with open(tmp_path / "predictions" / "test.csv") as f:
+        rows = [int(r["row"]) for r in csv.DictReader(f)]
+    assert rows == lines[:7]
 
 
 def test_a_missing_kshot_seed_fails_before_the_model_loads(kshot_data, tmp_path):

@@ -37,10 +37,6 @@ def memory_estimate(
     32 K-entry slice at a time, so this is its upper bound there); Sparse-MeZO's magnitude mask is one bit per
     entry (its random mask is redrawn, never kept).
     """
-    from adazeta.optim.first_order import AdamWConfig
-    from adazeta.optim.sparse_mezo import SparseZOSGDConfig
-    from adazeta.optim.zo_sgd import ZOSGDConfig
-
     arch = architecture_summary(s.model)
     h = arch["hidden_size"] or 0
     layers = arch["num_hidden_layers"] or 0
@@ -48,23 +44,19 @@ def memory_estimate(
     width = torch.tensor([], dtype=s.model.torch_dtype).element_size()
     b = s.train.batch_size
     per_layer = seq_len * b * h * (34 + 5 * heads * seq_len / max(h, 1)) * width / 2
-    trained_width = width if s.adapter.kind == "full" else 4
+    trained_width = width if s.adapter.config.trains_backbone else 4
     weights = (total - trainable) * width + trainable * trained_width
     cfg = s.optimizer.config if s.optimizer else None
-    zeroth_order = isinstance(cfg, ZOSGDConfig)
+    zeroth_order = cfg is not None and cfg.zeroth_order
     first_order = cfg is not None and not zeroth_order
     activations = per_layer * (layers if first_order else 2)
-    if zeroth_order and getattr(cfg, "batched_queries", False):
+    if zeroth_order and cfg.batches_queries:
         if cfg.query_chunk == "auto":  # as many copies as fit in query_memory x the inference forward's memory
             activations += cfg.query_memory * (weights + activations)
         else:
             activations *= cfg.query_chunk  # one forward over up to query_chunk copies of the minibatch
     grads = trainable * trained_width if first_order else 0
-    state = 0
-    if isinstance(cfg, AdamWConfig):
-        state = trainable * 2 * trained_width  # exp_avg and exp_avg_sq
-    elif isinstance(cfg, SparseZOSGDConfig) and cfg.mask == "magnitude":
-        state = trainable / 8  # one bit per entry (adazeta.optim.spsa.PackedMask)
+    state = cfg.state_bytes(trainable, trained_width) if cfg is not None else 0  # the optimizer's own declaration
     noise = largest * trained_width if zeroth_order else 0
     parts = {
         "weights": weights, "activations": activations, "gradients": grads, "optimizer_state": state, "zo_noise": noise,
@@ -124,8 +116,6 @@ def count_all_adapters(model: torch.nn.Module) -> int:
 
 
 def dry_run(s: "Settings") -> dict[str, Any]:
-    from adazeta.optim.zo_sgd import ZOSGDConfig
-
     model = build_meta_model(s.model)
     model = ADAPTERS.get(s.adapter.kind).builder(model, s.adapter.config)
     total, trainable = count_parameters(model)
@@ -145,7 +135,7 @@ def dry_run(s: "Settings") -> dict[str, Any]:
     print(f"trainable params {trainable:,}")
     print(f"adapters         {record['adapters']}")
     est = record["memory_estimate_gib"]
-    forward_only = s.optimizer is None or isinstance(s.optimizer.config, ZOSGDConfig)
+    forward_only = s.optimizer is None or s.optimizer.config.zeroth_order
     record["placement"] = placement(est, visible_gpus(), s.model.device_map, forward_only, device=s.model.device)
     print(
         "memory estimate  "

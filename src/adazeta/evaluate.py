@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from adazeta.scoring import Batch, Scorer, objective_loss
+from adazeta.scoring import Batch, Scorer, gold_lengths, objective_loss
 
 if TYPE_CHECKING:
     import numpy as np
@@ -99,13 +99,16 @@ def evaluate(
     model, objective = scorer.model, scorer.objective.kind
     was_training = model.training
     model.eval()
-    loss_sum = correct = tied = multi = None
+    loss_sum = correct = tied = multi = weight_sum = None
     n = 0
     kept: list[tuple[Batch, torch.Tensor]] = []
     shown = desc is not None and show_progress() and len(batches) > 1
     for batch in tqdm(batches, desc=desc, leave=False, dynamic_ncols=True, disable=not shown):
         scores = scorer.scores(batch)
-        loss = objective_loss(scores, batch.gold, objective, reduction="sum")
+        lengths = gold_lengths(batch) if scorer.objective.token_weighted and objective != "classification" else None
+        loss = objective_loss(scores, batch.gold, objective, reduction="sum", lengths=lengths)
+        weight = lengths.sum() if lengths is not None else None
+        weight_sum = weight if weight_sum is None else weight_sum + weight
         hits = (scores.argmax(dim=1) == batch.gold).sum()
         ties, several = tie_counts(scores)
         loss_sum = loss if loss_sum is None else loss_sum + loss
@@ -132,7 +135,8 @@ def evaluate(
         return EvalResult(float("nan"), float("nan"), 0, metric=metric)
     score = metrics["f1"] if generation is not None else float(correct) / n  # the one sync point
     tied_fraction = float(tied) / float(multi) if float(multi) else 0.0
-    return EvalResult(float(loss_sum) / n, score, n, metrics, tied_fraction, metric, predictions)
+    mean_loss = float(loss_sum) / (float(weight_sum) if weight_sum is not None else n)  # per token, or per example
+    return EvalResult(mean_loss, score, n, metrics, tied_fraction, metric, predictions)
 
 
 def _predictions(kept: list[tuple[Batch, torch.Tensor]], n: int) -> Predictions:

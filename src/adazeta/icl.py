@@ -1,10 +1,16 @@
 """In-context learning (the ICL rows of the AdaZeta paper's tables): k solved train examples prepended to every prompt.
 
 A demonstration is a train example's prompt followed by its gold answer (causal), or its prompt with the gold
-label word in place of the mask (masked, as in LM-BFF). The k demonstrations are drawn once, with a seed, from
-the sampled train split, so every dev and test example sees the same ones (MeZO's protocol). When a prompt would
-not fit ``model.max_length``, whole demonstrations are dropped, oldest first: the test example itself is never
-cut by the demonstrations.
+label word in place of the mask (masked, as in LM-BFF). Two protocols (``method.demonstrations.protocol``):
+
+- ``shared``: the k demonstrations are drawn once, with a seed, from the sampled train split, so every dev and
+  test example sees the same ones; when a prompt would not fit ``model.max_length``, whole demonstrations are
+  dropped, oldest first (the test example itself is never cut by them);
+- ``per_example``: MeZO's icl.sh (large_models/run.py without --train_set_seed, tasks.py sample_train_sets): each
+  evaluated example i gets its own k demonstrations, drawn from the *whole* train split with the seed
+  ``RandomState(0).randint(0, 10000, n)[i]`` (``permutation(len(train))[:k]``); each demonstration stripped, joined
+  by the separator, the whole prompt left-stripped; a prompt too long is cut on the left, token by token, keeping
+  BOS (``scoring.encode``'s MeZO cut).
 """
 
 from __future__ import annotations
@@ -26,9 +32,12 @@ class DemonstrationConfig:
 
     k: int = 32  # MeZO's ICL uses 32 demonstrations
     separator: str = "\n\n"  # between demonstrations and before the test prompt
-    seed: int | None = None  # None: the run seed
+    seed: int | None = None  # None: the run seed (shared protocol)
+    protocol: str = "shared"  # shared | per_example (MeZO's icl.sh; see the module docstring)
 
     def __post_init__(self) -> None:
+        if self.protocol not in ("shared", "per_example"):
+            raise ConfigError(f"method.demonstrations.protocol={self.protocol!r} is not one of shared, per_example")
         if self.k < 1:
             raise ConfigError(f"method.demonstrations.k={self.k} must be >= 1 (k = 0 is the zero_shot method)")
         if not isinstance(self.separator, str):
@@ -114,6 +123,40 @@ def add_demonstrations_(
     data.dev = with_demonstrations(data.dev, data, cfg, tokenizer, family, max_length, run_seed)
     data.eval = with_demonstrations(data.eval, data, cfg, tokenizer, family, max_length, run_seed)
     return sum(e.meta["demonstrations"] for e in data.eval) / max(len(data.eval), 1)
+
+
+PER_EXAMPLE_SEED = 0  # MeZO: `with temp_seed(0): seeds = np.random.randint(0, 10000, len_valid_samples)`
+
+
+def per_example_indices(n_examples: int, n_train: int, k: int) -> list[list[int]]:
+    """MeZO's per-example draws: example i's demonstrations are ``permutation(n_train)[:k]`` under seed ``seeds[i]``."""
+    if k > n_train:
+        raise ConfigError(f"method.demonstrations.k={k} is more than the {n_train} rows of the train split")
+    seeds = np.random.RandomState(PER_EXAMPLE_SEED).randint(0, 10000, n_examples)
+    return [np.random.RandomState(int(s)).permutation(n_train)[:k].tolist() for s in seeds]
+
+
+def add_per_example_demonstrations_(
+    data: TaskData, cfg: DemonstrationConfig, n_train: int, train_example: Callable[[int], Example], family: str,
+    mask_token: str | None = None,
+) -> float:
+    """Each dev and test example with its own k demonstrations from the whole train split (``train_example(i)``
+    renders train row i), in place; returns k (a prompt too long is cut by ``encode``, not by dropping)."""
+    cache: dict[int, str] = {}
+
+    def text(i: int) -> str:
+        if i not in cache:
+            cache[i] = demonstration_text(train_example(i), family, mask_token).strip()
+        return cache[i]
+
+    for split in ("dev", "eval"):
+        examples = getattr(data, split)
+        draws = per_example_indices(len(examples), n_train, cfg.k)
+        setattr(data, split, [
+            dataclasses.replace(ex, prompt=(cfg.separator.join(text(i) for i in idx) + cfg.separator + ex.prompt).lstrip(),
+                                meta={**ex.meta, "demonstrations": cfg.k})
+            for ex, idx in zip(examples, draws)])
+    return float(cfg.k) if data.eval else 0.0
 
 
 def with_demonstrations(

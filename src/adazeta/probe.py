@@ -32,8 +32,17 @@ class ProbeConfig:
     C: list[float] = field(default_factory=lambda: [0.001, 0.01, 0.1, 1.0, 10.0, 100.0])
     standardize: bool = True  # z-score with train statistics; LLM hidden states have outlier dimensions
     max_iter: int = 1000
+    # project: the C grid above chosen on dev accuracy, standardised features, an intercept. mezo: MeZO's LP
+    # (large_models/trainer.py): LogisticRegressionCV on train alone (10 Cs from 1e-4 to 1e4, 5-fold CV on accuracy,
+    # no intercept, no scaling, tol 1e-4, max_iter 5000, random_state 0); dev is not used. MeZO writes the
+    # coefficients into the LM head's rows of the label tokens and scores with the LM: for one-token label words the
+    # same decisions as the classifier used here. MeZO fits every option token of a multi-token answer; here the
+    # feature is the prompt's last token only.
+    variant: str = "project"
 
     def __post_init__(self) -> None:
+        if self.variant not in ("project", "mezo"):
+            raise ConfigError(f"method.probe.variant={self.variant!r} is not one of project, mezo")
         self.C = [float(c) for c in (self.C if isinstance(self.C, (list, tuple)) else [self.C])]
         if not self.C or any(c <= 0 for c in self.C):
             raise ConfigError(f"method.probe.C={self.C} must be a non-empty list of values > 0")
@@ -100,6 +109,8 @@ def fit_probe(
 
     if len(np.unique(y_train)) < 2:
         raise ConfigError("lp: the train split holds a single class; raise data.num_train or change data.seed")
+    if cfg.variant == "mezo":
+        return _fit_mezo(x_train, y_train, num_classes)
     scaler = StandardScaler().fit(x_train) if cfg.standardize else None
     x = scaler.transform(x_train) if scaler is not None else x_train
     best: tuple[Probe, EvalResult] | None = None
@@ -119,6 +130,17 @@ def fit_probe(
     return best[0], grid
 
 
+def _fit_mezo(x_train: np.ndarray, y_train: np.ndarray, num_classes: int) -> tuple[Probe, dict[float, float]]:
+    """MeZO's probe: ``LogisticRegressionCV(max_iter=5000, fit_intercept=False, random_state=0, tol=1e-4)`` with
+    sklearn's other defaults (Cs=10, 5-fold stratified CV, lbfgs, accuracy), on unscaled train features."""
+    from sklearn.linear_model import LogisticRegressionCV
+
+    clf = LogisticRegressionCV(max_iter=5000, fit_intercept=False, random_state=0, tol=1e-4).fit(x_train, y_train)
+    c = float(np.ravel(clf.C_)[0])
+    scores = np.mean(next(iter(clf.scores_.values())), axis=0)  # mean CV accuracy per C
+    return Probe(c, clf, None, num_classes), {float(k): float(v) for k, v in zip(clf.Cs_, scores)}
+
+
 def linear_probe(
     scorer: Scorer, encoded: dict[str, Sequence[Encoded]], cfg: ProbeConfig, batch_size: int, tracker: Tracker,
     seed: int,
@@ -135,8 +157,11 @@ def linear_probe(
     test = probe.evaluate(feats["eval"], labels["eval"])
     tracker.log_eval(0, "dev", dev.loss, dev.score)
     tracker.log_eval(0, "test", test.loss, test.score)
-    log.info("lp: C=%g chosen on dev (dev accuracy per C: %s)", probe.C, grid)
+    log.info("lp: C=%g chosen (%s, accuracy per C: %s)", probe.C,
+             "5-fold CV on train, MeZO's probe" if cfg.variant == "mezo" else "on dev", grid)
     # Nothing precedes the fit, so the "initial" dev result is the probe's own.
     outcome = Outcome("finished", None, 0, 0, dev, dev, test, 0)
-    info = {"C": probe.C, "dev_accuracy_per_C": {str(c): a for c, a in grid.items()}, "features": feats["train"].shape[1]}
+    chosen_by = "cv_accuracy_per_C" if cfg.variant == "mezo" else "dev_accuracy_per_C"
+    info = {"C": probe.C, "variant": cfg.variant, chosen_by: {str(c): a for c, a in grid.items()},
+            "features": feats["train"].shape[1]}
     return outcome, info

@@ -31,7 +31,7 @@ from adazeta.calibration import calibrate, content_free_examples
 from adazeta.distributed import Dist, Spread
 from adazeta.dryrun import dry_run
 from adazeta.errors import ConfigError, PeerError
-from adazeta.icl import add_demonstrations_, with_demonstrations
+from adazeta.icl import add_demonstrations_, add_per_example_demonstrations_, with_demonstrations
 from adazeta.models import (
     LoadedModel,
     count_parameters,
@@ -41,7 +41,6 @@ from adazeta.models import (
     resolve_source,
 )
 from adazeta.optim import OPTIMIZERS, check_contract, zeroth_order
-from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 from adazeta.paths import config_dir
 from adazeta.probe import linear_probe
 from adazeta.record import RunRecord
@@ -51,7 +50,8 @@ from adazeta.optim.batched import replica_sites
 from adazeta.schedules import SCHEDULES, Schedule, budget_steps, mean_queries
 from adazeta.scoring import Encoded, Scorer, encode, packing_supported
 from adazeta.settings import Component, Settings, parse  # noqa: F401  (re-exported)
-from adazeta.tasks.loaders import TaskData, check_data, load_task, validate_local_rows
+from adazeta.tasks.loaders import TaskData, check_data, load_task, split_rows, validate_local_rows
+from adazeta.tasks.spec import render
 from adazeta.tasks.objectives import build_objective
 from adazeta.tracking import (
     DivergenceMonitor,
@@ -90,7 +90,7 @@ def preflight(s: Settings) -> None:
     if hidden and hasattr(s.adapter.config, "check_hidden"):
         s.adapter.config.check_hidden(hidden)
     if s.model.device_map is not None:
-        if s.optimizer is not None and not isinstance(s.optimizer.config, ZOSGDConfig):
+        if s.optimizer is not None and not s.optimizer.config.zeroth_order:
             raise ConfigError(
                 f"model.device_map={s.model.device_map} spreads the model for forward-only methods (ZO, zero-shot, "
                 f"ICL, LP); method {s.method!r} trains with backward: unset model.device_map (several GPUs: torchrun)"
@@ -108,9 +108,9 @@ def preflight(s: Settings) -> None:
     needed_by = None if use is None else f"method {s.method!r} needs the train split {use}"
     check_data(s.task, s.data, s.model.family, needed_by)
     validate_local_rows(s.task, s.data, s.model.family, use is not None)
-    if s.optimizer is None and s.adapter.kind != "none":
+    if s.optimizer is None and s.adapter.config.trains:
         raise ConfigError(f"method {s.method!r} trains an adapter but has no optimizer; set method.optimizer")
-    if s.adapter.kind == "full" and s.optimizer and getattr(s.optimizer.config, "batched_queries", False):
+    if not s.adapter.config.replicable and s.optimizer and s.optimizer.config.batches_queries:
         raise ConfigError(
             f"method {s.method!r}: method.optimizer.batched_queries=true needs an adapter method (tt, lora, "
             f"bottleneck), not adapter.kind=full; set method.optimizer.batched_queries=false"
@@ -168,7 +168,7 @@ def build(s: Settings, loaded: LoadedModel | None = None, data: TaskData | None 
     quiet_third_party(s.verbose)
     if loaded is None:
         loaded = load_model(s.model, seed=s.seed)
-    if s.model.dtype != "fp32" and s.adapter.kind == "full" and s.optimizer and s.optimizer.kind == "zo_sgd":
+    if s.model.dtype != "fp32" and s.adapter.config.trains_backbone and s.optimizer and s.optimizer.config.zeroth_order:
         log.warning("ZO perturbations of %s weights lose precision; prefer model.dtype=fp32", s.model.dtype)
     model = ADAPTERS.get(s.adapter.kind).builder(loaded.model, s.adapter.config)
     total, trainable = count_parameters(model)
@@ -185,7 +185,13 @@ def build(s: Settings, loaded: LoadedModel | None = None, data: TaskData | None 
                                                s.seed)
         content_free = encode(content_free, tok, family, s.model.max_length)
     demonstrations = None
-    if s.demonstrations is not None:  # ICL: the mean number of demonstrations that fit a test prompt
+    if s.demonstrations is not None and s.demonstrations.protocol == "per_example":  # MeZO's icl.sh
+        rows = split_rows(s.task, family, "train", s.data)
+        mask = getattr(tok, "mask_token", None)
+        demonstrations = add_per_example_demonstrations_(
+            data, s.demonstrations, len(rows),
+            lambda i: render(s.task, family, (row := rows.take([i])[0]), row.get("label", 0), mask), family, mask)
+    elif s.demonstrations is not None:  # ICL: the mean number of demonstrations that fit a test prompt
         demonstrations = add_demonstrations_(data, s.demonstrations, tok, family, s.model.max_length, s.seed)
     enc = {split: encode(getattr(data, split), tok, family, s.model.max_length) for split in ("train", "dev", "eval")}
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -204,7 +210,8 @@ def build_optimizer(s: Settings, named: list[tuple[str, torch.Tensor]]) -> torch
         return None
     if not named:
         raise ConfigError(f"method {s.method!r} has an optimizer but nothing to train")
-    return check_contract(s.optimizer.kind, OPTIMIZERS.get(s.optimizer.kind).builder(named, s.optimizer.config, s.seed))
+    built = OPTIMIZERS.get(s.optimizer.kind).builder(named, s.optimizer.config, s.seed)
+    return check_contract(s.optimizer.kind, built, s.optimizer.config)
 
 
 def run_length(s: Settings, num_train: int) -> RunLength:
@@ -221,10 +228,10 @@ def run_length(s: Settings, num_train: int) -> RunLength:
         return length(0.0)
     per_epoch = num_train / s.train.batch_size
     epochs = s.train.max_steps / per_epoch
-    zo = s.optimizer is not None and isinstance(s.optimizer.config, ZOSGDConfig)
+    zo = s.optimizer is not None and s.optimizer.config.zeroth_order
     if budget is None or not zo or not getattr(s.schedule.config, "uses_run_epochs", False):
         return length(epochs)
-    central = s.optimizer.config.estimator == "central"
+    central = s.optimizer.config.forwards_per_query == 2
     steps = budget_steps(
         lambda e: SCHEDULES.get(s.schedule.kind).builder(s.schedule.config, e),
         loop,
@@ -421,6 +428,7 @@ def _execute(
     if b.demonstrations is not None:
         record.demonstrations = b.demonstrations
     objective = build_objective(s.task, data, enc, tok, s.model.max_length, s.train.eval_batch_size)
+    objective = dataclasses.replace(objective, token_weighted=s.train.lm_reduction == "token")
     scorer = dataclasses.replace(b.scorer, objective=objective)
     scorer, calibration = calibrate(scorer, s.calibration, b.content_free, enc["dev"], s.train.eval_batch_size)
     if calibration is not None:
@@ -439,9 +447,8 @@ def _execute(
         record.schedule_epochs = b.schedule_epochs
     if zeroth_order(optimizer):
         record.mean_queries = mean_queries(schedule, b.length.steps_per_epoch, b.length.planned_steps)
-    if isinstance(optimizer, ZOSGD):
-        record.zo = {k: getattr(optimizer, k) for k in ("estimator", "batched_queries", "query_chunk")}
-        if optimizer.batched_queries:  # every trainable parameter must sit in a module that runs replicas
+        record.zo = {k: getattr(optimizer, k, None) for k in ("estimator", "batched_queries", "query_chunk")}
+        if s.optimizer.config.batches_queries:  # every trainable parameter must sit in a module that runs replicas
             replica_sites(model, [p for _, p in named])
     record.scoring_layout = "packed" if family == "causal" and packing_supported(model) else "rows"
     for key, value in distributed.describe(d, s.distributed.mode, zeroth_order(optimizer)).items():

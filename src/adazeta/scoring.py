@@ -492,27 +492,49 @@ def classification_loss(scores: torch.Tensor, gold: torch.Tensor, reduction: str
     return F.cross_entropy(scores, gold, reduction=reduction)
 
 
-def lm_loss(scores: torch.Tensor, gold: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Language-model loss of the gold candidate: minus its mean token log-likelihood (COPA, ReCoRD, SQuAD)."""
+def lm_loss(scores: torch.Tensor, gold: torch.Tensor, reduction: str = "mean",
+            lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Language-model loss of the gold candidate: minus its mean token log-likelihood (COPA, ReCoRD, SQuAD).
+
+    ``lengths`` (the gold candidates' token counts, ``gold_lengths``): the mean is over all gold tokens of the batch
+    (MeZO's large_models/utils.py: one CrossEntropyLoss over every option token), not over examples; ``sum`` is
+    then the token-weighted sum, which ``evaluate`` divides by the split's total gold tokens.
+    """
     nll = -scores.gather(1, gold[:, None]).squeeze(1)
+    if lengths is not None and reduction != "none":
+        weighted = (nll * lengths).sum()
+        return weighted if reduction == "sum" else weighted / lengths.sum()
     return nll if reduction == "none" else nll.sum() if reduction == "sum" else nll.mean()
 
 
+def gold_lengths(batch: Batch) -> torch.Tensor:
+    """(B,) token count of each example's gold candidate."""
+    lengths = torch.zeros(batch.num_examples * batch.max_candidates, dtype=batch.candidate_length.dtype,
+                          device=batch.candidate_length.device)
+    lengths[batch.candidate_slot] = batch.candidate_length
+    return lengths.view(batch.num_examples, batch.max_candidates).gather(1, batch.gold[:, None]).squeeze(1)
+
+
 def objective_loss(
-    scores: torch.Tensor, gold: torch.Tensor, objective: str = "classification", reduction: str = "mean"
+    scores: torch.Tensor, gold: torch.Tensor, objective: str = "classification", reduction: str = "mean",
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The task's loss (``TaskSpec.objective``): candidate cross-entropy, or the gold's LM loss (lm, generation)."""
+    """The task's loss (``TaskSpec.objective``): candidate cross-entropy, or the gold's LM loss (lm, generation),
+    averaged over gold tokens when ``lengths`` is given."""
     if objective == "classification":
         return classification_loss(scores, gold, reduction)
-    return lm_loss(scores, gold, reduction)
+    return lm_loss(scores, gold, reduction, lengths)
 
 
-def batch_loss(model: nn.Module, batch: Batch, family: str, objective: str = "classification") -> torch.Tensor:
-    return objective_loss(candidate_scores(model, batch, family), batch.gold, objective)
+def batch_loss(model: nn.Module, batch: Batch, family: str, objective: str = "classification",
+               token_weighted: bool = False) -> torch.Tensor:
+    lengths = gold_lengths(batch) if token_weighted and objective != "classification" else None
+    return objective_loss(candidate_scores(model, batch, family), batch.gold, objective, lengths=lengths)
 
 
 def replica_losses(
-    model: nn.Module, batch: Batch, family: str, replicas: int, objective: str = "classification"
+    model: nn.Module, batch: Batch, family: str, replicas: int, objective: str = "classification",
+    token_weighted: bool = False,
 ) -> torch.Tensor:
     """(replicas,) training losses from one forward over ``replicas`` copies of ``batch`` (``Batch.repeat``).
 
@@ -520,9 +542,12 @@ def replica_losses(
     replica r's weights: the batched ZO estimator's objective. With one replica it is ``batch_loss``.
     """
     if replicas == 1:
-        return batch_loss(model, batch, family, objective).reshape(1)
+        return batch_loss(model, batch, family, objective, token_weighted).reshape(1)
     scores = candidate_scores(model, batch.repeat(replicas), family)
     per_example = objective_loss(scores, batch.gold.repeat(replicas), objective, reduction="none")
+    if token_weighted and objective != "classification":
+        lengths = gold_lengths(batch)
+        return (per_example.view(replicas, batch.num_examples) * lengths).sum(dim=1) / lengths.sum()
     return per_example.view(replicas, batch.num_examples).mean(dim=1)
 
 
@@ -575,8 +600,9 @@ class Scorer:
 
     def loss(self, batch: Batch) -> torch.Tensor:
         """The task's training loss on ``batch``."""
-        return batch_loss(self.model, batch, self.family, self.objective.kind)
+        return batch_loss(self.model, batch, self.family, self.objective.kind, self.objective.token_weighted)
 
     def replica_losses(self, batch: Batch, replicas: int) -> torch.Tensor:
         """(replicas,) losses of one forward over ``replicas`` copies of ``batch`` (``replica_losses``)."""
-        return replica_losses(self.model, batch, self.family, replicas, self.objective.kind)
+        return replica_losses(self.model, batch, self.family, replicas, self.objective.kind,
+                              self.objective.token_weighted)

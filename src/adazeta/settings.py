@@ -118,7 +118,7 @@ def parse(cfg: DictConfig) -> Settings:
         # The reference sites for this model type (conf/model/*.yaml) unless the method names its own; without
         # an entry the adapter finds the MLP's projections from the module structure (adapters/sites.py).
         settings.adapter.config = adapter = dataclasses.replace(adapter, targets=table[adapter.placement])
-    if settings.adapter.kind == "tt" and shapes and adapter.shape_down is None and adapter.shape_up is None:
+    if adapter.takes_model_shapes and shapes and adapter.shape_down is None and adapter.shape_up is None:
         # The model's reference shapes (e.g. [8,8,16,8,8] for RoBERTa-Large) unless the method names its own.
         settings.adapter.config = dataclasses.replace(adapter, shape_down=shapes["down"], shape_up=shapes["up"])
     unknown = sorted(set(method) - {"name", "adapter", "optimizer", "description", "demonstrations", "probe",
@@ -146,6 +146,10 @@ def parse(cfg: DictConfig) -> Settings:
         if settings.task.objective != "classification":
             raise ConfigError(f"method.calibration={calibration} needs a classification task; task "
                               f"{settings.task.name!r} is scored by its {settings.task.objective} objective")
+    if calibration == "contextual" and settings.demonstrations is not None and \
+            settings.demonstrations.protocol == "per_example":
+        raise ConfigError("method.calibration=contextual needs one set of demonstrations for every prompt; with "
+                          "method.demonstrations.protocol=per_example use calibration=prior or none")
     settings.calibration = calibration
     if settings.probe is not None and settings.task.objective == "generation":
         raise ConfigError(

@@ -54,8 +54,13 @@ class TrainConfig:
     # Evaluations before this step are logged but never kept as the best state (the reference trainers evaluate
     # from their first `eval_steps` on: the untrained model is never their "best" checkpoint); 0 keeps step 0 too.
     select_from: int = 0
+    # The LM loss (COPA, ReCoRD, SQuAD, DROP): each example's mean token loss averaged over examples (`example`), or
+    # the mean over all gold tokens of the batch (`token`: MeZO's CrossEntropyLoss over every option token).
+    lm_reduction: str = "example"
 
     def __post_init__(self) -> None:
+        if self.lm_reduction not in ("example", "token"):
+            raise ConfigError(f"train.lm_reduction={self.lm_reduction!r} is not one of example, token")
         if self.select_on not in SELECT_ON:
             raise ConfigError(f"train.select_on={self.select_on!r} is not one of {', '.join(SELECT_ON)}")
         if self.select_from < 0:

@@ -5,9 +5,26 @@ does) and returns the model to train. Afterwards exactly the parameters the meth
 ``requires_grad=True``; everything else is frozen.
 """
 
+from typing import ClassVar
+
 from adazeta.registry import Registry
 
 ADAPTERS: Registry = Registry("adapter")
+
+
+class AdapterCapabilities:
+    """What the wiring may ask of an adapter, declared on its config class (the one contract; never its kind).
+
+    ``trains``: the method trains some parameters (False: a training-free method); ``trains_backbone``: the model's
+    own weights are the trainable set (full fine-tuning, MeZO), so they keep the backbone's dtype and a batched-query
+    forward cannot give each replica its own copy; ``replicable``: the adapter runs weight replicas in one forward
+    (batched queries); ``takes_model_shapes``: the model YAML's reference TT shapes apply to it.
+    """
+
+    trains: ClassVar[bool] = True
+    trains_backbone: ClassVar[bool] = False
+    replicable: ClassVar[bool] = True
+    takes_model_shapes: ClassVar[bool] = False
 
 # Importing every module of this package registers the built-in adapters: a new adapter is one new file here.
 import importlib as _importlib  # noqa: E402

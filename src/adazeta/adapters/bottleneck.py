@@ -12,14 +12,14 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from adazeta.adapters import ADAPTERS
+from adazeta.adapters import ADAPTERS, AdapterCapabilities
 from adazeta.adapters.sites import PLACEMENT_NAMES, check_targets, linear_features, resolve_sites
 from adazeta.adapters.tt import ACTIVATIONS, INITS, AdaptedLinear
 from adazeta.errors import ConfigError
 
 
 @dataclasses.dataclass
-class BottleneckAdapterConfig:
+class BottleneckAdapterConfig(AdapterCapabilities):
     """Config of the dense bottleneck adapter; validated on construction."""
 
     bottleneck: int = 64  # b: width of the adapter's hidden layer; 2*H*b + H + b parameters per adapter

@@ -6,19 +6,22 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from adazeta.adapters import ADAPTERS
+from adazeta.adapters import ADAPTERS, AdapterCapabilities
 from adazeta.adapters.sites import find_sites
 from adazeta.errors import ConfigError
 
 
 @dataclass
-class LoraAdapterConfig:
+class LoraAdapterConfig(AdapterCapabilities):
     r: int = 8  # rank (8 for first-order LoRA in the AdaZeta paper's tables; MeZO-LoRA's reference code uses 5)
     alpha: float = 16.0  # scaling numerator: the update is (alpha / r) * B A
     dropout: float = 0.0  # LoRA dropout; ZO forwards run in eval mode, so it only acts in first-order runs
     # None: peft's default for the architecture (q and v projections); for a model type peft has no default for,
     # the MLP's projections found from the module structure (adapters/sites.py)
     target_modules: list[str] | None = None
+    # Also train the whole LM head, untied from the input embeddings: the reference RoBERTa MeZO-LoRA's trainable
+    # set (AdaZeta / MeZO medium_models/run.py freeze only roberta.* weights without "lora"; the head stays).
+    train_head: bool = False
 
     def __post_init__(self) -> None:
         if self.r < 1:
@@ -46,6 +49,12 @@ def add_lora(model: nn.Module, cfg: LoraAdapterConfig) -> nn.Module:
         bias="none",
     )
     try:
-        return get_peft_model(model, config)
+        wrapped = get_peft_model(model, config)
     except ValueError as e:  # peft: no default target modules for this architecture, or none matched
         raise ConfigError(f"LoRA could not be placed ({e}); set adapter.target_modules, e.g. [q_proj,v_proj]") from None
+    if cfg.train_head:
+        from adazeta.adapters.basic import head_module, untie_head
+
+        untie_head(wrapped)
+        head_module(wrapped).requires_grad_(True)
+    return wrapped

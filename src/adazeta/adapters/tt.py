@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from adazeta.adapters import ADAPTERS
+from adazeta.adapters import ADAPTERS, AdapterCapabilities
 from adazeta.adapters.sites import PLACEMENT_NAMES, POSITIONS, check_targets, linear_features, resolve_sites
 from adazeta.errors import ConfigError
 from adazeta.tensor.tt import default_shape, init_cores, split_index, tt_factors, tt_matmul
@@ -36,8 +37,10 @@ ACTIVATIONS: dict[str, type[nn.Module]] = {
 }
 
 @dataclasses.dataclass
-class TTAdapterConfig:
+class TTAdapterConfig(AdapterCapabilities):
     """Config of AdaZeta's TT adapter; validated on construction."""
+
+    takes_model_shapes: ClassVar[bool] = True  # conf/model/*.yaml's tt_shapes (e.g. [8,8,16,8,8] on RoBERTa-Large)
 
     bottleneck: int = 64  # b: width of the adapter's hidden layer
     rank: int = 5  # inner TT rank r of both projections; parameters grow as r^2

@@ -13,7 +13,7 @@ A builder registered in ``OPTIMIZERS`` takes ``(named_params, cfg, seed)`` where
 Every optimizer a builder returns declares ``zeroth_order`` (``check_contract``, called when a run builds it).
 """
 
-from typing import Any
+from typing import Any, ClassVar
 
 from adazeta.errors import ConfigError
 from adazeta.registry import Registry
@@ -21,12 +21,42 @@ from adazeta.registry import Registry
 OPTIMIZERS: Registry = Registry("optimizer")
 
 
-def check_contract(kind: str, optimizer: Any) -> Any:
-    """``optimizer`` (built by ``kind``'s builder) if it declares which side of the loop's contract it takes."""
+class OptimizerCapabilities:
+    """What the runner, the dry run's memory estimate and the bench may ask of an optimizer, declared on its config
+    class: they read these, never the class or its kind.
+
+    ``zeroth_order``: the loop's ZO contract (step(closure, n_queries=Q)) or first-order (backward, then step());
+    ``state_bytes(entries, width)``: bytes of optimizer state for ``entries`` trained entries of ``width`` bytes;
+    ``forwards_per_query``: forward passes a query costs (central differences: 2; one-sided: 1, plus one shared);
+    ``batches_queries``: a step's queries run as weight replicas in batched forwards (needs a replicable adapter).
+    """
+
+    zeroth_order: ClassVar[bool] = False
+
+    def state_bytes(self, entries: int, width: int) -> float:
+        return 0.0
+
+    @property
+    def forwards_per_query(self) -> int:
+        return 0
+
+    @property
+    def batches_queries(self) -> bool:
+        return False
+
+
+def check_contract(kind: str, optimizer: Any, cfg: Any = None) -> Any:
+    """``optimizer`` (built by ``kind``'s builder) if it declares which side of the loop's contract it takes, the
+    same side as its config (``cfg``) declares."""
     if not isinstance(getattr(optimizer, "zeroth_order", None), bool):  # the one place the attribute may lack
         raise ConfigError(
             f"optimizer {kind!r} built a {type(optimizer).__name__} without a bool `zeroth_order` attribute: declare "
             "zeroth_order = True (step(closure, n_queries=Q)) or False (backward, then step()) on its class"
+        )
+    if cfg is not None and getattr(cfg, "zeroth_order", optimizer.zeroth_order) != optimizer.zeroth_order:
+        raise ConfigError(
+            f"optimizer {kind!r}: its config {type(cfg).__name__} declares zeroth_order={cfg.zeroth_order} but the "
+            f"built {type(optimizer).__name__} says {optimizer.zeroth_order}; make the two declarations agree"
         )
     return optimizer
 

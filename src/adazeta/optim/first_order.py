@@ -4,24 +4,29 @@ optimizer registry."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import ClassVar, Iterable
 
 import torch
 
 from adazeta.errors import ConfigError
-from adazeta.optim import OPTIMIZERS
+from adazeta.optim import OPTIMIZERS, OptimizerCapabilities
 from adazeta.optim.spsa import decay_groups
 
 
 @dataclasses.dataclass
-class AdamWConfig:
+class AdamWConfig(OptimizerCapabilities):
     """AdamW hyper-parameters; the reference FT runs on Llama-2-7B use lr 1e-5."""
+
+    zeroth_order: ClassVar[bool] = False
 
     lr: float = 1e-5
     weight_decay: float = 0.0  # decoupled decay on weights only, never on biases or norms
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8  # AdamW's denominator guard (not the ZO perturbation scale)
     grad_clip: float | None = None  # max global grad norm, applied by the training loop; None: no clipping
+
+    def state_bytes(self, entries: int, width: int) -> float:
+        return entries * 2.0 * width  # exp_avg and exp_avg_sq, in the trained parameters' dtype
 
     def __post_init__(self) -> None:
         # Hydra hands lists; a tuple keeps the config hashable and matches torch's signature.

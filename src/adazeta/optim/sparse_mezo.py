@@ -150,6 +150,10 @@ class SparseZOSGDConfig(ZOSGDConfig):
     # magnitude: Sparse-MeZO's small-|w| mask, fixed at the start; random: a new mask each step (AdaZeta reference)
     mask: str = "magnitude"
 
+    def state_bytes(self, entries: int, width: int) -> float:
+        # the magnitude mask is kept, one bit per entry (spsa.PackedMask); a random mask is redrawn, never kept
+        return entries / 8 if self.mask == "magnitude" else 0.0
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0.0 <= self.sparsity < 1.0:

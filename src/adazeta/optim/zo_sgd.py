@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import torch
 
 from adazeta.distributed import StepPlan, all_sum_
 from adazeta.errors import ConfigError
-from adazeta.optim import OPTIMIZERS
+from adazeta.optim import OPTIMIZERS, OptimizerCapabilities
 from adazeta.optim.batched import auto_chunk, estimate_batched
 from adazeta.optim.spsa import (
     NOISE_STREAMS,
@@ -364,8 +364,10 @@ def _as_loss(value: torch.Tensor | float) -> torch.Tensor:
 
 
 @dataclasses.dataclass
-class ZOSGDConfig:
+class ZOSGDConfig(OptimizerCapabilities):
     """ZO-SGD hyper-parameters; the query count comes from the schedule, not from here."""
+
+    zeroth_order: ClassVar[bool] = True
 
     lr: float = 1e-4  # constant step size; MeZO on all weights needs ~1e-6, adapters ~1e-4
     eps: float = 1e-3  # perturbation scale; much smaller loses the loss difference to rounding in bf16
@@ -384,6 +386,14 @@ class ZOSGDConfig:
     # same seeds give the same run), flat (one call per 4 M entries: fewer kernels, other directions) or blocks
     # (1 M entries per call, each with a generator of its own: drawn on every CPU thread; other directions).
     noise: str = "per_tensor"
+
+    @property
+    def forwards_per_query(self) -> int:
+        return 2 if self.estimator == "central" else 1  # one_sided: plus one unperturbed forward a step
+
+    @property
+    def batches_queries(self) -> bool:
+        return bool(self.batched_queries)
 
     def __post_init__(self) -> None:
         _validate("method.optimizer.", self.lr, self.eps, self.weight_decay, self.reduction, self.estimator, self.noise)

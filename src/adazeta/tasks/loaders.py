@@ -32,6 +32,10 @@ log = logging.getLogger("adazeta")
 
 DATA_DIR_ENV = "ADAZETA_DATA_DIR"
 KSHOT_SEEDS = (13, 21, 42, 87, 100)  # LM-BFF's five data seeds
+# LM-BFF / MeZO's test subset (tools/generate_k_shot_data.py, mode k-shot-1k-test): one draw with seed 42, the same
+# for every data seed (np.random.seed(42) + shuffle for TSVs, DataFrame.sample(random_state=42) for CSVs: both are
+# RandomState(42).permutation(n)[:1000]).
+LMBFF_TEST_SEED = 42
 
 
 @dataclass
@@ -499,6 +503,6 @@ def _load_kshot(spec: TaskSpec, data: DataConfig, make: Any, train_rows: Rows | 
         train_idx, dev_idx = kshot_indices(train_rows.labels(), data.k, seed)
         train, dev = make(train_rows, train_idx), make(train_rows, dev_idx)
     eval_rows = split_rows(spec, "masked", "eval", data)
-    eval_idx = sample_indices(len(eval_rows), data.num_eval, np.random.RandomState(seed))
+    eval_idx = sample_indices(len(eval_rows), data.num_eval, np.random.RandomState(LMBFF_TEST_SEED))
     source = describe_source(eval_rows if train_rows is None else train_rows, eval_rows)
     return TaskData(train, dev, make(eval_rows, eval_idx), source)

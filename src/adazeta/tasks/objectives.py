@@ -31,6 +31,9 @@ class Objective:
     dev_generation: "GenerationSet | None" = None  # generation tasks: dev prompts and answers
     test_generation: "GenerationSet | None" = None
     zo_loss: "Callable[[nn.Module, Sequence[Any]], torch.Tensor] | None" = None  # non-differentiable ZO loss
+    # LM loss averaged over all gold tokens of a batch (MeZO's reduction; train.lm_reduction=token) instead of over
+    # examples (each example's mean token loss, then their mean: train.lm_reduction=example)
+    token_weighted: bool = False
 
     @property
     def trains_on_gold_only(self) -> bool:

@@ -18,6 +18,8 @@ a template, a candidate or a protocol changes: it is recorded with every result.
 
 from __future__ import annotations
 
+import dataclasses
+
 import string
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -310,7 +312,8 @@ def render(spec: TaskSpec, family: str, row: dict[str, Any], gold: int, mask_tok
     """Render one row with the family's template. Deterministic: the same row always gives the same text."""
     fmt = spec.prompt_format(family)
     if fmt.hook:
-        return HOOKS.get(fmt.hook).builder(spec, fmt, row, gold)
+        example = HOOKS.get(fmt.hook).builder(spec, fmt, row, gold)
+        return _lstrip(example) if family == "causal" else example
     values = dict(row)
     if family == "masked":
         if mask_token is None:
@@ -325,4 +328,11 @@ def render(spec: TaskSpec, family: str, row: dict[str, Any], gold: int, mask_tok
                        "max_length": fmt.max_length},
         }
         return Example("".join(text for text, _ in pieces), list(fmt.candidates), gold, meta)
-    return Example(fill(fmt.template, values, f"task {spec.name!r}"), list(fmt.candidates), gold)
+    # MeZO's encode_prompt strips the leading whitespace of every prompt (``.lstrip()``): a paragraph that starts
+    # with a space or a newline does not start the prompt with it.
+    return Example(fill(fmt.template, values, f"task {spec.name!r}").lstrip(), list(fmt.candidates), gold)
+
+
+def _lstrip(example: Example) -> Example:
+    return example if example.prompt == example.prompt.lstrip() else dataclasses.replace(
+        example, prompt=example.prompt.lstrip())
