@@ -114,7 +114,9 @@ def test_a_dirty_tree_is_refused_unless_allowed_and_launches_are_logged(root, mo
     job = driver.Job("zs", None, 0, "x", ["method=zero_shot"])
     job.run_dir.mkdir(parents=True)
     driver.log_launch(job, ["py", "-m", "adazeta.cli", "method=zero_shot"], {"commit": "abc", "dirty": True}, True)
-    rows = (root / "results" / "runs" / "x" / "launches.csv").read_text().splitlines()
+    path = root / "results" / "runs" / "x" / "launches.csv"
+    assert b"\r" not in path.read_bytes()
+    rows = path.read_text().splitlines()
     assert rows[0].split(",") == driver.LAUNCH_COLUMNS
     assert rows[1].split(",")[1:] == ["zs", "", "0", "results/runs/x/zs/seed=0", "abc", "True", "True",
                                       "adazeta-run method=zero_shot"]

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from adazeta.errors import ConfigError
+from adazeta.evaluate import evaluate
 from adazeta.scoring import Encoded, Scorer
 from adazeta.tasks.spec import Example, TaskSpec, render
 
@@ -48,19 +49,12 @@ def content_free_examples(spec: TaskSpec, family: str, mask_token: str | None = 
     return out
 
 
-@torch.no_grad()
 def all_scores(scorer: Scorer, encoded: Sequence[Encoded], batch_size: int) -> torch.Tensor:
     """(N, C) candidate scores of ``encoded`` in its order (every example with the same number of candidates)."""
-    counts = {len(e.candidates) for e in encoded}
-    if len(counts) != 1:
+    if len({len(e.candidates) for e in encoded}) != 1:
         raise ConfigError("calibration needs the same number of candidates for every example; this task varies")
-    was_training = scorer.model.training
-    scorer.model.eval()
-    rows = torch.empty(len(encoded), counts.pop(), dtype=torch.float32)
-    for batch in scorer.batches(encoded, batch_size, sort=True):
-        rows[list(batch.index)] = scorer.scores(batch).float().cpu()
-    scorer.model.train(was_training)
-    return rows
+    kept = evaluate(scorer, scorer.batches(encoded, batch_size, sort=True), keep=True).predictions
+    return torch.tensor(kept.scores, dtype=torch.float32)
 
 
 def contextual_bias(content_free_scores: torch.Tensor) -> torch.Tensor:

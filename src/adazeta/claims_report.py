@@ -12,7 +12,6 @@ point of the experiment. Test is read only at each run's best-dev state; nothing
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 from dataclasses import dataclass, field
@@ -22,19 +21,12 @@ import numpy as np
 import yaml
 
 from adazeta import stats
+from adazeta.cpu_zo_report import read_csv
 from adazeta.experiment import Job, grid, runs_at
 from adazeta.paths import config_dir
 
 MISSING = "—"
 CONFIRMED, REFUTED, UNRESOLVED = "confirmed", "refuted", "unresolved"
-
-
-def read_csv(path: Path) -> list[dict[str, str]]:
-    try:
-        with open(path) as f:
-            return list(csv.DictReader(f))
-    except OSError:
-        return []
 
 
 @dataclass

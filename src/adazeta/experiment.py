@@ -157,7 +157,7 @@ def log_launch(job: Job, cmd: list[str], code: dict, allow_dirty: bool) -> None:
     path = runs_dir() / job.experiment / "launches.csv"
     new = not path.exists()
     with open(path, "a", newline="") as f:
-        writer = csv.writer(f)
+        writer = csv.writer(f, lineterminator="\n")  # plain \n line ends, as every CSV the project writes
         if new:
             writer.writerow(LAUNCH_COLUMNS)
         writer.writerow([time.strftime("%Y-%m-%dT%H:%M:%S"), job.arm, "" if job.lr is None else f"{job.lr:g}",

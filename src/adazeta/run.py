@@ -416,6 +416,15 @@ def execute(
     return record.as_dict()
 
 
+def save_predictions(run_dir: Path, outcome: Any, data: TaskData) -> None:
+    """predictions/dev.csv (the best-dev state's) and test.csv, each row named by its source row, for paired
+    comparisons between runs on the same examples (adazeta.stats)."""
+    for split, result, examples in (("dev", outcome.best_dev, data.dev), ("test", outcome.test, data.eval)):
+        if result.predictions is not None and len(result.predictions):
+            rows = [i if e.row is None else e.row for i, e in enumerate(examples)]
+            write_predictions(run_dir, split, result.predictions, rows)
+
+
 def _execute(
     s: Settings, run_dir: Path, resume: dict[str, Any] | None, record: RunRecord, signals: StopSignals,
     d: Dist = distributed.SINGLE,
@@ -502,10 +511,8 @@ def _execute(
         return tracker
     record.test_loss, record.test_score = outcome.test.loss, outcome.test.score
     record.test_metrics = dict(outcome.test.metrics)
-    if d.is_main:  # per example, for paired comparisons between runs on the same examples (adazeta.stats)
-        for split, result, examples in (("dev", outcome.best_dev, data.dev), ("test", outcome.test, data.eval)):
-            if result.predictions is not None and len(result.predictions):
-                write_predictions(run_dir, split, result.predictions, [i if e.row is None else e.row for i, e in enumerate(examples)])
+    if d.is_main:
+        save_predictions(run_dir, outcome, data)
     log.info(
         "%s after %d steps (best dev step %d): dev %s %.4f -> %.4f, test %s %.4f; results in %s",
         outcome.status, outcome.steps, outcome.best_step, s.task.metric, outcome.initial_dev.score,
