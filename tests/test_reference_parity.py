@@ -233,3 +233,77 @@ def test_table_experiments_select_and_never_stop_as_the_reference():
     ft = settings("experiment=table2_llama", "method=ft", "task=rte")
     assert not ft.train.keep_best  # finetune.sh never evaluates within its 3 epochs: the final model is tested
     assert settings("experiment=table2_llama", "method=lp", "task=rte").probe.variant == "mezo"
+
+
+# The first rows of GLUE SST-2's train split in the Hub's order (nyu-mll/glue sst2, column idx); the fixture puts
+# them at their idx and fills the rest with sentences named by their idx, so a drawn row says where it came from.
+GLUE_SST2_FIRST = [
+    ("hide new secretions from the parental units ", 0),
+    ("contains no wit , only labored gags ", 0),
+    ("that loves its characters and communicates something rather beautiful about human nature ", 1),
+    ("remains utterly satisfied to remain the same throughout ", 0),
+]
+
+
+def glue_sst2_hub(n: int):
+    import datasets
+
+    sentences = [s for s, _ in GLUE_SST2_FIRST] + [f"row {i} of the split " for i in range(len(GLUE_SST2_FIRST), n)]
+    labels = [y for _, y in GLUE_SST2_FIRST] + [i % 2 for i in range(len(GLUE_SST2_FIRST), n)]
+    features = datasets.Features({"sentence": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["negative", "positive"]),
+                                  "idx": datasets.Value("int32")})
+    return datasets.Dataset.from_dict({"sentence": sentences, "label": labels, "idx": list(range(n))}, features)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sst2_from_the_hub_draws_mezos_train_dev_and_test_rows(monkeypatch, seed):
+    """MeZO large_models: load_dataset('glue', 'sst2'); sample_subset("train", seed, 1000 + 500) is
+    np.random.seed(seed); np.random.permutation(n)[:1500]; dev = the last 500 of it, train the first 1000
+    (run.py: train_samples[-num_dev:]); test = sample_subset("valid", seed, 1000) on the validation split."""
+    import datasets
+    import numpy as np
+
+    from adazeta.tasks.loaders import DataConfig, load_task
+
+    train_split, valid_split = glue_sst2_hub(3000), glue_sst2_hub(872)
+    asked = []
+
+    def load_dataset(path, name=None, split=None, **kwargs):  # the Hub, answered from the fixture (no network)
+        asked.append((path, name, split))
+        return {"train": train_split, "validation": valid_split}[split]
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    task = settings("task=sst2").task
+    data = load_task(task, DataConfig(num_train=1000, num_dev=500, num_eval=1000), "causal", seed=seed)
+    assert asked == [("nyu-mll/glue", "sst2", "train"), ("nyu-mll/glue", "sst2", "validation")]
+
+    np.random.seed(seed)
+    drawn = np.random.permutation(3000).tolist()[:1500]
+    train_idx, dev_idx = drawn[:-500], drawn[-500:]
+    np.random.seed(seed)
+    test_idx = np.random.permutation(872).tolist()[:1000]  # all 872, in the seed's order
+
+    def mezo_prompt(split, i):  # templates.py SST2Template: f"{text.strip()} It was"
+        return split["sentence"][i].strip() + " It was"
+
+    assert [e.prompt for e in data.train] == [mezo_prompt(train_split, i) for i in train_idx]
+    assert [e.prompt for e in data.dev] == [mezo_prompt(train_split, i) for i in dev_idx]
+    assert [e.prompt for e in data.eval] == [mezo_prompt(valid_split, i) for i in test_idx]
+    assert [e.gold for e in data.train] == [train_split["label"][i] for i in train_idx]
+    assert [e.row for e in data.dev] == dev_idx
+
+
+def test_every_fidelity_page_the_configs_and_readme_point_to_exists_and_covers_both_tables():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    texts = [root / "README.md", *sorted((root / "conf").rglob("*.yaml"))]
+    linked = {m for p in texts for m in re.findall(r"docs/[\w./-]+\.md", p.read_text())}
+    assert "docs/fidelity.md" in linked
+    for doc in linked:
+        assert (root / doc).is_file(), doc
+    page = (root / "docs/fidelity.md").read_text()
+    for section in ("## Table 1", "## Table 2", "### Differences that remain", "loralib"):
+        assert section in page
