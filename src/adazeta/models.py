@@ -243,7 +243,11 @@ def architecture_config(cfg: ModelConfig, vocab_size: int | None = None) -> Any:
         raise ConfigError(f"model {cfg.name!r}: `architecture` needs a model_type (e.g. llama, roberta)")
     if vocab_size is not None:
         arch["vocab_size"] = vocab_size
-    return AutoConfig.for_model(model_type, **arch)
+    try:
+        return AutoConfig.for_model(model_type, **arch)
+    except Exception as err:  # an unknown model_type, or sizes transformers' validators reject
+        raise ConfigError(f"model {cfg.name!r}: transformers rejects its `architecture` ({first_line(root_cause(err))}); "
+                          "fix model.architecture") from None
 
 
 def pretrained_kwargs(cfg: ModelConfig, source: ModelSource) -> dict[str, Any]:
@@ -254,6 +258,13 @@ def pretrained_kwargs(cfg: ModelConfig, source: ModelSource) -> dict[str, Any]:
     if cfg.revision and source.kind == "hub":
         kwargs["revision"] = cfg.revision
     return kwargs
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The innermost exception of a chain: the one that says what was wrong (a validator's ValueError)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return err
 
 
 def first_line(err: BaseException) -> str:
@@ -277,8 +288,11 @@ def source_config(cfg: ModelConfig) -> Any:
         source = ModelSource("hub", cfg.hub_id)
     try:
         return AutoConfig.from_pretrained(source.path, **pretrained_kwargs(cfg, source))
-    except (OSError, ValueError, KeyError) as err:
+    except Exception as err:  # missing, unreadable, cut short (a GGUF's struct.error), or rejected by a validator
         what = Path(source.path) / source.gguf_file if source.gguf_file else source.path
+        if source.gguf_file:  # its header passed check_gguf: the metadata after it is cut short or corrupt
+            raise ConfigError(f"cannot read the GGUF metadata of {what} ({first_line(err)}); the file may be truncated "
+                              "or corrupt: copy or download it again") from None
         raise ConfigError(f"cannot read the model config of {what} ({first_line(err)}); check model.hub_id or model.path, "
                           "or set model.architecture") from None
 
@@ -372,13 +386,17 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> LoadedModel:
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
             model = auto.from_pretrained(source.path, dtype=cfg.torch_dtype, **kwargs, **spread)
-        except (OSError, ValueError, KeyError, EOFError) as err:
+        except Exception as err:  # incl. safetensors' SafetensorError, a GGUF's struct.error, torch's unpickling
             if source.kind != "local":
                 raise
             # A local file that passed the header checks but cannot be read: truncated or corrupt contents.
             what = Path(source.path) / (source.gguf_file or "")
             raise ConfigError(f"cannot load the model from {what} ({first_line(err)}); the file may "
                               "be truncated or corrupt: copy or download it again") from None
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ConfigError(f"the tokenizer of {source.path} has {len(tokenizer)} tokens but the model's embedding only "
+                          f"{rows} rows: they do not belong together; save the model with its own tokenizer")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     if cfg.device_map:

@@ -14,9 +14,11 @@ Local files name their rows ``file:line`` in every error; labels are normalised 
 from __future__ import annotations
 
 import csv
+import errno
 import json
 import logging
 import os
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,9 @@ from adazeta.tasks.spec import Example, HubSource, LocalSource, TaskSpec, render
 log = logging.getLogger("adazeta")
 
 DATA_DIR_ENV = "ADAZETA_DATA_DIR"
+# No cap on a field's length: a long passage (MultiRC, BoolQ, a user's documents) is a well-formed row, and the csv
+# module's default limit (131,072 characters) would reject it.
+csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 KSHOT_SEEDS = (13, 21, 42, 87, 100)  # LM-BFF's five data seeds
 # LM-BFF / MeZO's test subset (tools/generate_k_shot_data.py, mode k-shot-1k-test): one draw with seed 42, the same
 # for every data seed (np.random.seed(42) + shuffle for TSVs, DataFrame.sample(random_state=42) for CSVs: both are
@@ -121,10 +126,26 @@ def local_files(
         for path in files[split]:
             if not path.is_file():
                 why = f"{needed_by}: " if needed_by else ""
-                raise ConfigError(f"{why}data file not found: {path}; {hint}")
+                raise ConfigError(f"{why}{_not_a_file(path)}: {path}; {hint}")
     if not all(files[s] for s in splits if s != "dev"):
         raise ConfigError(f"task {spec.name!r}: local.train and local.eval must each name at least one file")
     return files
+
+
+def _not_a_file(path: Path) -> str:
+    """Why ``path`` is not a readable data file, in a few words: missing, a folder, a broken or looping link."""
+    if path.is_dir():
+        return "a folder where a data file should be"
+    if path.is_symlink():
+        try:
+            path.resolve(strict=True)
+        except RuntimeError:  # Python < 3.13 reports a loop as RuntimeError, later ones as OSError
+            return "a symlink loop where a data file should be"
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                return "a symlink loop where a data file should be"
+            return "a broken symlink where a data file should be"
+    return "data file not found"
 
 
 def check_data(spec: TaskSpec, data: DataConfig, family: str, train_needed_by: str | None = None) -> None:
@@ -214,7 +235,7 @@ def read_table(
                 raise ConfigError(
                     f"{path}:1: header {header} lacks one of {', '.join(required)}; expected a header row"
                 )
-        for lineno, values in enumerate(reader, first):
+        for lineno, values in _rows(reader, path, first):
             if not values:
                 continue
             n = len(header)
@@ -227,6 +248,21 @@ def read_table(
             row["_where"] = f"{path}:{lineno}"
             rows.append(row)
     return rows
+
+
+def _rows(reader: Any, path: Path, first: int) -> Any:
+    """(line number, values) of a csv reader; a malformed row is one line naming the file and line."""
+    lineno = first
+    while True:
+        try:
+            values = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as err:
+            raise ConfigError(f"{path}:{reader.line_num}: not a well-formed {'TSV' if reader.dialect.delimiter == chr(9) else 'CSV'} "
+                              f"row ({err}); fix or remove that row") from None
+        yield lineno, values
+        lineno += 1
 
 
 def read_local(path: Path, local: LocalSource, required: Sequence[str]) -> list[dict[str, Any]]:
