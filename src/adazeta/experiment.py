@@ -30,7 +30,7 @@ import yaml
 
 from adazeta.paths import config_dir
 from adazeta.offline import use_shared
-from adazeta.record import main_score
+from adazeta.record import ENDED, main_score
 from adazeta.results import git_state
 
 PHASES = ("select", "seeds", "stress")
@@ -50,7 +50,7 @@ class Job:
         return runs_dir() / self.experiment / self.arm / name
 
     def done(self) -> bool:
-        return status(self.run_dir) in ("finished", "diverged")
+        return status(self.run_dir) in ENDED
 
 
 def runs_dir() -> Path:
@@ -94,7 +94,7 @@ def chosen_lr(name: str, arm: str, spec: dict, seed: int) -> float | None | obje
         return grid(spec)[0] if len(grid(spec)) == 1 else UNDECIDED
     for lr in grid(spec):
         rec = record(Job(arm, lr, seed, name, []).run_dir)
-        if rec is None or rec.get("status") not in ("finished", "diverged"):
+        if rec is None or rec.get("status") not in ENDED:
             return UNDECIDED
         results.append((-main_score(rec, "dev"), rec["dev_loss"], len(results), lr))
     return min(results)[3]

@@ -21,6 +21,11 @@ class _Unset:
 UNSET: Any = _Unset()
 
 
+# A run that ended with a result: rerunning the same settings would give it again, so drivers skip it and its
+# checkpoint goes. A diverged or stalled run is a result (its best-dev state was tested), not a failure.
+ENDED = ("finished", "diverged", "stalled")
+
+
 @dataclass
 class RunRecord:
     # What ran.
@@ -30,7 +35,7 @@ class RunRecord:
     model: str
     seed: int
     experiment: str | None
-    status: str = "failed"  # finished | diverged | interrupted | failed (until the run says otherwise)
+    status: str = "failed"  # finished | diverged | stalled | interrupted | failed (until the run says otherwise)
     resumed_from_step: int = UNSET  # continued from a checkpoint written at this step
     demonstrations: float = UNSET  # ICL: mean demonstrations per test prompt
     # What it used.

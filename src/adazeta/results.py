@@ -14,7 +14,7 @@ import torch
 from adazeta.rundir import atomic_write_text
 
 PACKAGES = ("adazeta", "torch", "transformers", "peft", "datasets", "hydra-core", "wandb", "tensorly", "gguf")
-STATUSES = ("finished", "diverged", "failed", "interrupted")
+STATUSES = ("finished", "diverged", "stalled", "failed", "interrupted")
 
 
 def git_state(where: Path | None = None) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from adazeta.models import (
 from adazeta.optim import OPTIMIZERS, check_contract, zeroth_order
 from adazeta.paths import config_dir
 from adazeta.probe import linear_probe
-from adazeta.record import RunRecord
+from adazeta.record import ENDED, RunRecord
 from adazeta.results import device_info, git_state, package_versions, read_result, write_result
 from adazeta.rundir import Interrupted, StopSignals, atomic_write_text, claim, config_differences
 from adazeta.optim.batched import replica_sites
@@ -307,7 +307,7 @@ def _run_claimed(s: Settings, run_dir: Path, overrides: list[str] | None, d: Dis
                         f"{run_dir} holds a {status} run with other settings ({shown}); rerun with force=true to "
                         "replace it, or choose another hydra.run.dir"
                     )
-                if status in ("finished", "diverged"):
+                if status in ENDED:
                     log.info("skipping: %s already holds a %s result (force=true reruns it)", run_dir, status)
                     return decide("skip", read_result(run_dir / "result.json"))
             write_provenance(run_dir, s.raw, overrides)
@@ -410,7 +410,7 @@ def execute(
                     tracker.close(failed=record.status == "failed")
         elif tracker is not None:
             tracker.close()
-    if d.is_main and record.status in ("finished", "diverged"):
+    if d.is_main and record.status in ENDED:
         checkpoint.unlink(missing_ok=True)  # the result is final: nothing to resume
     signals.forward()  # a scheduler's notice (SIGUSR2 under submitit): now that all is saved, let it requeue
     return record.as_dict()
@@ -490,7 +490,8 @@ def _execute(
             splits = Splits(enc["train"], scorer.batches(enc["dev"], s.train.eval_batch_size, sort=True),
                             scorer.batches(enc["eval"], s.train.eval_batch_size, sort=True))
             spread = Spread(d.rank, d.world_size, s.distributed.mode) if d.enabled else None
-            loop = Loop(tracker, DivergenceMonitor(s.divergence), s.seed, schedule, b.length, checkpoints, spread)
+            loop = Loop(tracker, DivergenceMonitor(s.divergence), s.seed, schedule, b.length, checkpoints, spread,
+                        guard=s.guard)
             outcome = train(scorer, optimizer, splits, s.train, loop)
             signals.loop = False
     except BaseException:

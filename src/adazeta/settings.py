@@ -26,6 +26,7 @@ from adazeta.registry import check_type, make_config, show
 from adazeta.schedules import SCHEDULES
 from adazeta.tasks.loaders import DataConfig
 from adazeta.tasks.spec import TaskSpec
+from adazeta.guards import GuardConfig
 from adazeta.tracking import DivergenceConfig, WandbConfig
 from adazeta.train import TrainConfig
 
@@ -62,6 +63,7 @@ class Settings:
     probe: ProbeConfig | None = None  # LP: a logistic regression on frozen features instead of training
     calibration: str = "none"  # training-free scoring: none | contextual | prior (adazeta.calibration)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)  # several processes
+    guard: GuardConfig = dataclasses.field(default_factory=GuardConfig)  # numerical guards (adazeta.guards)
 
 
 def _plain(node: Any) -> Any:
@@ -109,6 +111,7 @@ def parse(cfg: DictConfig) -> Settings:
         experiment=raw.get("experiment_name"),
         raw=raw,
         distributed=make_config(DistributedConfig, raw.get("distributed") or {}, where="distributed"),
+        guard=make_config(GuardConfig, raw.get("guard") or {}, where="guard"),
     )
     settings.model = complete_config(settings.model)  # a model given by hub_id or path: its own config's sizes
     shapes = settings.model.tt_shapes

@@ -96,7 +96,7 @@ def select_on_dev(results: pd.DataFrame) -> pd.DataFrame:
     seeds, is selected on that one seed, not on the chosen setting's later seeds); ties go to the lower mean
     dev loss, then to the setting listed first.
     """
-    done = results[results["status"].isin(["finished", "diverged"])]
+    done = results[results["status"].isin(["finished", "diverged", "stalled"])]
     out = []
     for key, group in done.groupby(GROUP, sort=True):
         seeds = [set(g["seed"]) for _, g in group.groupby("setting")]

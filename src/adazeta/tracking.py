@@ -26,7 +26,9 @@ log = logging.getLogger("adazeta")
 
 # param_norm: L2 norm of the trainable set after the step. Under ZO-SGD it climbs as a random walk (each step
 # adds lr * g * z, ||z|| ~ sqrt(d)); its growth is the early sign of the drift that ends in a collapse.
-STEP_COLUMNS = ["step", "epoch", "loss", "n_queries", "forward_passes", "lr", "step_time_s", "peak_mem_mb", "param_norm"]
+STEP_COLUMNS = ["step", "epoch", "loss", "n_queries", "forward_passes", "lr", "step_time_s", "peak_mem_mb", "param_norm",
+                "update_changed", "update_cosine"]  # the last two on guard.every steps only (adazeta.guards)
+
 def eval_columns(metric: str = "accuracy") -> list[str]:
     """eval.csv's columns: the score column is named by the task's main metric (accuracy, or f1)."""
     return ["step", "split", "loss", metric, "tied"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 import random
 import time
@@ -22,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from adazeta.distributed import Spread, all_sum_, any_rank
 from adazeta.errors import ConfigError
 from adazeta.evaluate import EvalResult, evaluate
+from adazeta.guards import GuardConfig, UpdateCheck, UpdateProbe, ranks_agree, stall_reason
 from adazeta.optim import zeroth_order
 from adazeta.optim.batched import ReplicaClosure
 from adazeta.scoring import Batch, Encoded, Scorer
@@ -30,6 +32,7 @@ from adazeta.tracking import DivergenceMonitor, Progress, Tracker, peak_memory_m
 
 
 SELECT_ON = ("loss", "metric")
+log = logging.getLogger("adazeta")
 
 
 @dataclass
@@ -82,7 +85,7 @@ class TrainConfig:
 
 @dataclass
 class Outcome:
-    status: str  # finished | diverged | interrupted
+    status: str  # finished | diverged | stalled | interrupted
     reason: str | None
     steps: int
     best_step: int
@@ -154,6 +157,7 @@ class Loop:
     length: RunLength | None = None
     checkpoints: Checkpoints | None = None
     spread: Spread | None = None
+    guard: GuardConfig = dataclasses.field(default_factory=GuardConfig)  # update measurements, stall stop, checksum
 
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -201,7 +205,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
     decisions.
     """
     model, device, obj = scorer.model, scorer.device, scorer.objective
-    tracker, monitor, spread, length = loop.tracker, loop.monitor, loop.spread, loop.length
+    tracker, monitor, spread, length, guard = loop.tracker, loop.monitor, loop.spread, loop.length, loop.guard
     ckpt = loop.checkpoints or Checkpoints(save=lambda state: None)
     if obj.zo_loss is not None and optimizer is not None and not zeroth_order(optimizer):
         raise ConfigError(
@@ -239,6 +243,9 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
         order_gen = torch.Generator().manual_seed(loop.seed)  # data order only; perturbations have their own
         order = torch.randperm(len(splits.train), generator=order_gen)
         trainable = [p for group in optimizer.param_groups for p in group["params"]]
+        probe = UpdateProbe(trainable, guard.sample, loop.seed) if guard.every else None
+        stalls: list[UpdateCheck] = []  # the measurements in a row, up to now, that changed no entry
+        warned_rounding = False
         last_eval_forwards, first_step = 0, 1
         if resume is not None:
             load_trainable_state_(model, resume["trainable"])
@@ -248,6 +255,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
             set_rng_state(resume["rng"])
             step = resume["step"]
             first_step, forward_passes, last_eval_forwards = step + 1, resume["forward_passes"], resume["last_eval_forwards"]
+            stalls = [UpdateCheck(**c) for c in resume.get("stalls", [])]
 
         def save(at_step: int) -> None:
             ckpt.save({
@@ -256,6 +264,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
                 "order_gen": order_gen.get_state(), "order": order, "rng": rng_state(),
                 "initial": dataclasses.asdict(initial), "best": dataclasses.asdict(best), "best_step": best_step,
                 "best_state": best_state, "monitor": monitor.state_dict(),
+                "stalls": [dataclasses.asdict(c) for c in stalls],
             })
 
         ddp = None
@@ -272,6 +281,9 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
             chosen = [splits.train[i] for i in order[slot * cfg.batch_size : (slot + 1) * cfg.batch_size].tolist()]
             if obj.trains_on_gold_only:
                 chosen = gold_only(chosen)
+            measured = probe is not None and step % guard.every == 0
+            if measured:
+                probe.before()
             start = time.perf_counter()
             if zo:
                 n_queries = loop.schedule(epoch)
@@ -295,6 +307,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
             sync(device)
             step_time = time.perf_counter() - start
             norm = float(param_norm(trainable))
+            check = probe.after(getattr(optimizer, "intended_update", None)) if measured else None
             tracker.log_step(
                 {
                     "step": step,
@@ -306,10 +319,27 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
                     "step_time_s": round(step_time, 4),
                     "peak_mem_mb": round(peak_memory_mb(device), 1),
                     "param_norm": round(norm, 6),
+                    "update_changed": None if check is None else round(check.changed, 6),
+                    "update_cosine": None if check is None or math.isnan(check.cosine) else round(check.cosine, 6),
                 }
             )
             progress.step(step, loss_value, n_queries, forward_passes)
+            if spread is not None and guard.checksum_every and step % guard.checksum_every == 0 \
+                    and not ranks_agree(trainable):
+                raise RuntimeError(f"the processes' trainable weights differ at step {step} (checksum over "
+                                   f"{len(trainable)} tensors): the ranks no longer train one model")
             reason = monitor.non_finite(loss_value)
+            if check is not None:
+                if check.changed < 0.5 and not stalls and not warned_rounding:
+                    warned_rounding = True
+                    log.warning("step %d changed only %.1f%% of the measured trainable entries (cos(applied, intended) "
+                                "%s): the weights' rounding drops most of each update; raise the learning rate or train "
+                                "in float32", step, 100 * check.changed,
+                                "n/a" if math.isnan(check.cosine) else f"{check.cosine:.3f}")
+                stalls = stalls + [check] if check.changed <= guard.stall_share else []
+                if reason is None and guard.stall_checks and len(stalls) >= guard.stall_checks:
+                    status, reason = "stalled", stall_reason(stalls, trainable[0].dtype, getattr(optimizer, "eps", None))
+                    break
             out_of_budget = budget is not None and forward_passes >= budget
             if cfg.eval_every_forwards is None:
                 due = step % cfg.eval_every == 0

@@ -22,6 +22,7 @@ from adazeta.optim.spsa import (
     perturb_,
     projected_gradient,
     query_seed,
+    _each_draw,
     zo_update_,
 )
 
@@ -102,6 +103,11 @@ class ZOSGD(torch.optim.Optimizer):
     KEEP_DIRECTION_BYTES = 32 * 2**20
     # With one query and z drawn on every pass, undo the last perturbation in the update's pass (same numbers).
     FUSE_RESTORE = True
+    # A trainable set of at most this much is copied before a step's in-place perturbations and copied back after
+    # each query: w + eps z - 2 eps z + eps z rounds back to w only up to an ulp, a copy restores it exactly. A
+    # larger set (a full model) is restored by the opposite perturbation, MeZO's way: no second copy of the weights,
+    # at most ~1.5 ulp of drift per entry and step (tests/test_guards.py bounds it in bfloat16).
+    KEEP_WEIGHTS_BYTES = 32 * 2**20
 
     def __init__(
         self,
@@ -143,6 +149,7 @@ class ZOSGD(torch.optim.Optimizer):
         self.last_projected_grads: torch.Tensor | None = None
         self.last_evaluated_seeds: list[int] | None = None  # several processes: the queries this rank evaluated
         self._restore: tuple[int, float] | None = None
+        self._last_update: tuple | None = None  # what the last step applied, for ``intended_update``
 
     def masks(self, params: Sequence[torch.Tensor]) -> Masks:
         """Which entries of each parameter to perturb and update; None means all (Sparse-MeZO overrides this)."""
@@ -180,6 +187,7 @@ class ZOSGD(torch.optim.Optimizer):
             losses, grads = self._estimate_share(closure, params, seeds, masks, cache, plan)
         zo_update_(params, seeds, grads, lrs, wds, self.reduction, masks, self.noise, cache, layout, self._restore)
         self._restore = None
+        self._last_update = (seeds, grads, lrs, wds, masks, layout)
         del cache
 
         self.state_step += 1
@@ -239,9 +247,17 @@ class ZOSGD(torch.optim.Optimizer):
         end with the rounding of the whole step's perturbations, as on a single process."""
         layout, eps = cache.layout, self.eps
         wanted = set(range(len(seeds)) if evaluated is None else evaluated)
+        saved = [f.clone() for f in layout.flat] if layout.nbytes <= self.KEEP_WEIGHTS_BYTES else None
+
+        def restore(seed: int, scale: float, z: Any) -> None:
+            if saved is not None:
+                torch._foreach_copy_(layout.flat, saved)  # exact, whatever the rounding of the perturbations
+            else:
+                perturb_(params, seed, scale, masks, self.noise, z, layout)
+
         # One query with a z drawn on every pass (a full model): its restoring pass is left to the update, which
         # undoes it with the z it draws anyway (``zo_update_(restore=...)``): a quarter of the step's draws.
-        defer = self.FUSE_RESTORE and len(seeds) == 1 and cache.peek(seeds[0]) is None
+        defer = self.FUSE_RESTORE and len(seeds) == 1 and cache.peek(seeds[0]) is None and saved is None
         losses: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         if self.estimator == "central":
@@ -254,7 +270,7 @@ class ZOSGD(torch.optim.Optimizer):
                 if defer and z is None:
                     self._restore = (seed, eps)
                 else:
-                    perturb_(params, seed, eps, masks, self.noise, z, layout)
+                    restore(seed, eps, z)
                 del z
                 if i in wanted:
                     losses += [loss_plus, loss_minus]
@@ -271,7 +287,7 @@ class ZOSGD(torch.optim.Optimizer):
                 if defer and z is None:
                     self._restore = (seed, -eps)
                 else:
-                    perturb_(params, seed, -eps, masks, self.noise, z, layout)
+                    restore(seed, -eps, z)
                 del z
                 if i in wanted:
                     losses.append(loss_plus)
@@ -325,6 +341,34 @@ class ZOSGD(torch.optim.Optimizer):
                 losses[1 + at] = local_losses[1:]
         all_sum_(buffer)
         return losses, grads
+
+    @torch.no_grad()
+    def intended_update(self, index: Sequence[torch.Tensor | None], before: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The last step's update in exact arithmetic (float64) at entries ``index[i]`` of parameter i (None: all):
+        -lr (g + wd w), g = (1/Q or 1) sum_q grad_q z_q with each z_q as drawn; ``before``: those entries (float64)
+        before the step. The update applied differs from it by the rounding of the weights' dtype
+        (``adazeta.guards``). Draws each z once more, a chunk at a time: no copy of the weights."""
+        if self._last_update is None:
+            raise RuntimeError("intended_update() before any step")
+        seeds, grads, lrs, wds, masks, layout = self._last_update
+        scale = 1.0 / len(seeds) if self.reduction == "mean" else 1.0
+        out = [-(lr * wd) * b for b, lr, wd in zip(before, lrs, wds)]
+        for seed, grad in zip(seeds, grads.double().cpu().tolist()):
+            coefs = [-lr * grad * scale for lr in lrs]
+
+            def gather(at: list[int], views: list[torch.Tensor], zs: list[torch.Tensor]) -> None:
+                for view, z, i in zip(views, zs, at):
+                    start = (view.data_ptr() - layout.flat[i].data_ptr()) // view.element_size()
+                    z, picked = z.reshape(-1), index[i]
+                    if picked is None:
+                        out[i][start : start + z.numel()] += coefs[i] * z.double()
+                    else:
+                        lo = int(torch.searchsorted(picked, start))
+                        hi = int(torch.searchsorted(picked, start + z.numel()))
+                        out[i][lo:hi] += coefs[i] * z[picked[lo:hi] - start].double()
+
+            _each_draw(layout, seed, masks, gather)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
