@@ -4,9 +4,19 @@
     adazeta-run -m method=adazeta,mezo seed=0,1    # a sweep (Hydra multirun)
     adazeta-run --help                             # every config group and its options
 
-The overrides are checked before anything heavy is imported, so that a mistake is reported in a second: the
-runner (``adazeta.run``: torch, transformers) and ``adazeta.distributed`` (torch) are imported inside the
-functions that run, the one place this package imports late on purpose.
+The command line is checked before Hydra runs it (``adazeta.overrides``): flags and overrides are composed
+first, without torch, so that a mistyped option is reported in a second; a single run's composed config is then
+parsed into its typed settings (which imports torch), before Hydra creates the run directory. The runner
+(``adazeta.run``: torch, transformers) and ``adazeta.distributed`` (torch) are imported inside the functions that
+run, the one place this package imports late on purpose.
+
+Exit status (README, "Bad input costs one line"):
+
+    0        the run finished or diverged (a result), was skipped as already done, or --help / --cfg printed
+    1        the run failed (an error in the run itself, or a write that failed); a sweep with a failed point
+    2        usage: a bad flag, override or value, a missing file, a refused run directory: one line on stderr,
+             no run starts; a sweep that left out values that could not compose
+    128 + n  stopped by signal n (SIGTERM: 143, SIGINT: 130): checkpointed; the same command resumes
 """
 
 from __future__ import annotations

@@ -1,20 +1,40 @@
-"""Command-line overrides checked before Hydra runs them: one line with "did you mean" instead of Hydra's report.
+"""The command line checked before Hydra runs it: one line with the fix instead of Hydra's report.
 
 Hydra reports a mistyped group option (``method=adazet``) or an unknown key (``train.foo=1``) in several lines and
-exits 1, and one bad value in a sweep list refuses the whole sweep. Here every override is composed first, the
-way ``adazeta-run`` would compose it: a mistake in a single run is one line and exit status 2; in a sweep, the
-values that cannot compose are left out (one line each) and the rest of the sweep runs.
+exits 1, prints its usage for a bad flag, and one bad value in a sweep list refuses the whole sweep. Here the
+flags are read with Hydra's own parser and every override is composed first, the way ``adazeta-run`` would
+compose it: a mistake in a single run is one line and exit status 2; in a sweep, the values that cannot compose
+are left out (one line each) and the rest of the sweep runs. A single run's composed config is also parsed into
+its typed settings here (``adazeta.settings.parse``), so that a bad value is reported before Hydra creates the
+run directory.
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import difflib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
-                    "--config-dir", "-cd", "--info", "-i", "--experimental-rerun"}
 MULTIRUN = {"-m", "--multirun"}
+# Handed to Hydra as typed: its version, and shell completion (whose arguments, install=bash, are no overrides).
+HANDED_OVER = {"--version", "--shell-completion", "-sc"}
+# Hydra runs one of these per command.
+MODES = {"run": "--run", "multirun": "--multirun", "cfg": "--cfg", "info": "--info",
+         "shell_completion": "--shell-completion"}
+# Names the reference scripts (MeZO's and AdaZeta's Hugging Face Trainer arguments) give to the keys here.
+ALIASES = {
+    "learning_rate": "method.optimizer.lr", "lr": "method.optimizer.lr", "zo_eps": "method.optimizer.eps",
+    "eps": "method.optimizer.eps", "weight_decay": "method.optimizer.weight_decay",
+    "per_device_train_batch_size": "train.batch_size", "batch_size": "train.batch_size",
+    "max_steps": "train.max_steps", "eval_steps": "train.eval_every", "train_set_seed": "data.seed",
+    "num_train": "data.num_train", "num_dev": "data.num_dev", "num_eval": "data.num_eval",
+    "lora_r": "method.adapter.r", "lora_alpha": "method.adapter.alpha", "model_name": "model",
+    "task_name": "task", "q": "schedule.q",
+}
 
 
 @dataclass
@@ -27,47 +47,268 @@ class Checked:
     sweep_dir: Path | None = None  # a sweep's directory, where its jobs report the points that failed
 
 
+@dataclass
+class Source:
+    """Where Hydra will read the config from: the config tree, the primary config, an extra search dir."""
+
+    config_dir: str
+    config_name: str = "config"
+    extra_dir: str | None = None  # --config-dir
+
+    def compose(self, overrides: list[str], hydra: bool = False) -> Any:
+        from hydra import compose, initialize_config_dir
+
+        if self.extra_dir is not None:
+            overrides = [*overrides, f"hydra.searchpath=[file://{self.extra_dir}]"]
+        with initialize_config_dir(config_dir=self.config_dir, version_base="1.3"):
+            return compose(config_name=self.config_name, overrides=overrides, return_hydra_config=hydra)
+
+    def options(self, group: str) -> list[str]:
+        dirs = [self.config_dir] + ([self.extra_dir] if self.extra_dir else [])
+        return sorted({p.stem for d in dirs for p in (Path(d) / group).glob("*.yaml")})
+
+    def is_group(self, name: str) -> bool:
+        dirs = [self.config_dir] + ([self.extra_dir] if self.extra_dir else [])
+        return name.startswith("hydra/") or any((Path(d) / name).is_dir() for d in dirs)
+
+
+class _Usage(Exception):
+    """A command line Hydra's argument parser refuses."""
+
+
 def _suggest(word: str, known: list[str]) -> str:
     close = difflib.get_close_matches(word, known, n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def split_args(argv: list[str]) -> tuple[list[str], list[int]]:
-    """(the overrides, their positions in argv): everything that is not a flag or a flag's value."""
-    overrides, where = [], []
-    skip = False
-    for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if arg in FLAGS_WITH_VALUE:
-            skip = True
-            continue
-        if arg.startswith("-"):
-            continue
-        overrides.append(arg)
-        where.append(i)
-    return overrides, where
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
 
 
-def explain(error: Exception, override: str, config_dir: str, base: list[str]) -> str:
+# --- flags -----------------------------------------------------------------------------------------------------
+
+
+def _flag_parser() -> argparse.ArgumentParser:
+    """Hydra's own parser, raising instead of printing its usage; abbreviated flags are not taken."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+    parser.allow_abbrev = False
+    parser.exit_on_error = False
+
+    def error(message: str) -> None:
+        raise _Usage(message)
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
+
+
+def _choices(parser: argparse.ArgumentParser, flag: str) -> list[str]:
+    action = next(a for a in parser._actions if flag in a.option_strings)
+    return list(action.choices or [])
+
+
+def _flag_message(err: Exception, parser: argparse.ArgumentParser) -> str:
+    """One line for a flag Hydra's parser refuses, with the fix."""
+    name = getattr(err, "argument_name", None) or ""
+    flag = name.split("/")[0]
+    text = getattr(err, "message", None) or str(err)
+    choice = re.match(r"invalid choice: (.+?) \(choose from", text)
+    if choice and flag in ("--cfg", "--info"):
+        value = ast.literal_eval(choice.group(1))
+        options = _choices(parser, flag)
+        if "=" in value:
+            how = ("write --cfg job before the overrides" if flag == "--cfg" else
+                   "write --info all before the overrides, or --info after them")
+            return (f"{flag} {value}: {flag} reads the next argument as its value ({', '.join(options)}), and "
+                    f"{value} is an override; {how}")
+        return f"{flag} {value}: {flag} takes one of {', '.join(options)}{_suggest(value, options)}"
+    if "expected one argument" in text:
+        if flag == "--cfg":
+            return "--cfg needs a value: --cfg job prints the composed config (hydra: Hydra's config, all: both)"
+        return f"{flag} needs a value; adazeta-run --hydra-help describes it"
+    return f"{text}; adazeta-run --hydra-help lists Hydra's flags"
+
+
+def _flags(ns: argparse.Namespace) -> list[str]:
+    """The flags of a parsed command line, written out in full, to go before the overrides (Hydra's order)."""
+    out: list[str] = []
+    for key, flag in (("cfg", "--cfg"), ("package", "--package"), ("info", "--info"), ("config_name", "--config-name"),
+                      ("config_dir", "--config-dir")):
+        if getattr(ns, key) is not None:
+            out += [flag, getattr(ns, key)]
+    for key, flag in (("resolve", "--resolve"), ("run", "--run"), ("multirun", "--multirun")):
+        if getattr(ns, key):
+            out.append(flag)
+    return out
+
+
+def read_flags(argv: list[str], config_dir: str) -> tuple[argparse.Namespace, Source, str | None]:
+    """(Hydra's parse of argv, where the config comes from, the one-line error or None)."""
+    parser = _flag_parser()
+    try:
+        ns, extras = parser.parse_known_intermixed_args(argv)
+    except (argparse.ArgumentError, _Usage) as err:
+        return argparse.Namespace(), Source(config_dir), _flag_message(err, parser)
+    source = Source(config_dir)
+    if extras:
+        known = sorted(s for a in parser._actions for s in a.option_strings if s.startswith("--"))
+        return ns, source, (f"{extras[0]}: not a flag of adazeta-run (adazeta-run --hydra-help lists Hydra's "
+                            f"flags){_suggest(extras[0], known)}")
+    modes = [flag for key, flag in MODES.items() if getattr(ns, key, None)]
+    if len(modes) > 1:
+        return ns, source, (f"{modes[0]} and {modes[1]} cannot be combined: Hydra takes one of "
+                            f"{', '.join(MODES.values())} per command")
+    if ns.resolve and not ns.cfg:
+        return ns, source, "--resolve resolves the config that --cfg prints: add --cfg job"
+    if ns.package is not None and not ns.cfg:
+        return ns, source, f"--package {ns.package} chooses the part of the config that --cfg prints: add --cfg job"
+    if ns.experimental_rerun is not None:
+        return ns, source, (f"--experimental-rerun {ns.experimental_rerun}: adazeta-run keeps no config pickle "
+                            "(hydra.output_subdir=null); run the command again with the overrides in the run's "
+                            ".hydra/overrides.yaml (a finished run is skipped, an interrupted one resumes)")
+    if ns.config_path is not None:
+        return ns, source, (f"--config-path {ns.config_path}: adazeta-run reads its config tree from "
+                            "ADAZETA_CONFIG_DIR (default: conf/ beside src/); set ADAZETA_CONFIG_DIR="
+                            f"{ns.config_path}, or add a folder of options with --config-dir")
+    if ns.config_dir is not None:
+        extra = Path(ns.config_dir).expanduser().resolve()
+        if not extra.is_dir():
+            return ns, source, f"--config-dir {ns.config_dir}: no such folder"
+        source.extra_dir = str(extra)
+    if ns.config_name is not None:
+        name = ns.config_name[:-5] if ns.config_name.endswith(".yaml") else ns.config_name
+        folders = [Path(config_dir)] + ([Path(source.extra_dir)] if source.extra_dir else [])
+        if not name or not any((d / f"{name}.yaml").is_file() for d in folders):
+            return ns, source, (f"--config-name {ns.config_name}: no primary config {name}.yaml in "
+                                f"{', '.join(map(str, folders))}; adazeta-run's is config (choose a block of the "
+                                "paper with experiment=NAME)")
+        source.config_name = name
+    return ns, source, None
+
+
+# --- overrides ---------------------------------------------------------------------------------------------------
+
+
+def _group_choice(source: Source, override: Any) -> str | None:
+    """One line for a group option that is no option: empty, null, or a path out of its group's folder."""
+    group = override.key_or_group
+    if override.is_delete() or not source.is_group(group):
+        return None
+    values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+    known = source.options(group)
+    for value in values:
+        text = override.input_line
+        if value is None or value == "":
+            return f"{text}: {group} needs an option name; known: {', '.join(known)}"
+        if not isinstance(value, str):
+            continue
+        parts = value.replace("\\", "/").split("/")
+        if value.startswith(("/", "\\")) or "\\" in value or any(p in ("", ".", "..") for p in parts):
+            return (f"{text}: {group} options are names in conf/{group}/, not paths ({value!r}); "
+                    f"known: {', '.join(known)}")
+    return None
+
+
+def _deleted(override: Any, source: Source, base: list[str]) -> str | None:
+    """One line for ``~key``: a run reads every key of its config and records the value it used."""
+    if not override.is_delete():
+        return None
+    key = override.key_or_group
+    if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+        return None
+    text = override.input_line
+    if source.is_group(key):
+        path = override.package or key
+        return (f"{text}: {path} cannot be deleted (every run reads it and records it); choose another option: "
+                f"{override.get_key_element().lstrip('~')}=OPTION (known: {', '.join(source.options(key))})")
+    why = f"{text}: {key} cannot be deleted (every run reads it and records the value it used)"
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        value = OmegaConf.select(source.compose(base), key)
+    except Exception:
+        value = None
+    if isinstance(value, DictConfig):
+        null = f", or {key}=null for none" if key.startswith("method.") else ""
+        return f"{why}; set its keys instead ({key}.KEY=VALUE){null}"
+    return f"{why}; set it instead: {key}=VALUE (now {_show(value)})"
+
+
+def _paths(node: Any, prefix: str = "") -> list[str]:
+    """Every key path of a plain (container) config, parents before their children."""
+    out = []
+    for key, value in (node.items() if isinstance(node, dict) else []):
+        out.append(f"{prefix}{key}")
+        out += _paths(value, f"{prefix}{key}.")
+    return out
+
+
+def nearest_key(word: str, cfg: Any) -> str | None:
+    """The config key a user most likely meant by ``word``: the same leaf name, a reference script's name, close."""
+    from omegaconf import OmegaConf
+
+    paths = [p for p in _paths(OmegaConf.to_container(cfg, resolve=False)) if not p.startswith("hydra")]
+    leaf = word.split(".")[-1]
+    same = [p for p in paths if p.split(".")[-1] == leaf and p != word]
+    if same:
+        return same[0]
+    alias = ALIASES.get(leaf.lower())
+    if alias is not None and (alias in paths or alias.split(".")[0] in paths):
+        return alias
+    leaves = {p.split(".")[-1]: p for p in reversed(paths)}
+    close = difflib.get_close_matches(leaf, list(leaves), n=1)
+    if close:
+        return leaves[close[0]]
+    close = difflib.get_close_matches(word, paths, n=1)
+    return close[0] if close else None
+
+
+def _added_unknown(parsed: list[Any], source: Source, base: list[str]) -> str | None:
+    """One line for ``+key=value`` that adds a top-level key nothing reads (it would be ignored)."""
+    adds = [p for p in parsed if (p.is_add() or p.is_force_add()) and not source.is_group(p.key_or_group)
+            and not p.key_or_group.startswith("hydra")]
+    if not adds:
+        return None
+    without = [line for line in base if line not in {p.input_line for p in adds}]
+    try:
+        cfg = source.compose(without)
+    except Exception:
+        return None
+    for add in adds:
+        top = add.key_or_group.split(".")[0]
+        if top not in cfg:
+            near = nearest_key(add.key_or_group, cfg)
+            hint = f"; did you mean {near}?" if near else ""
+            return (f"{add.input_line}: the config has no key {top!r}, and a key added with + would be read by "
+                    f"nothing{hint}")
+    return None
+
+
+def explain(error: Exception, override: str, source: Source, base: list[str]) -> str:
     """One line for a composition error caused by ``override``."""
     from hydra.errors import MissingConfigException
 
     key = override.split("=", 1)[0].lstrip("+~")
     value = override.split("=", 1)[1] if "=" in override else ""
-    if isinstance(error, MissingConfigException) or "Could not find" in str(error):
+    text = str(error)
+    if isinstance(error, MissingConfigException) or "Could not find" in text:
         group = key.split("@")[0]
-        options = sorted(p.stem for p in (Path(config_dir) / group).glob("*.yaml"))
+        options = source.options(group)
         if options:
             return f"{override}: {group} has no option {value!r}; known: {', '.join(options)}{_suggest(value, options)}"
-        return f"{override}: no config group {group!r}{_suggest(group, _groups(config_dir))}"
-    text = str(error)
-    if "Could not override" in text and "@" not in key and _method_part(config_dir, key):
+        return f"{override}: no config group {group!r}{_suggest(group, _groups(source))}"
+    if "Could not override" in text and "@" not in key and _method_part(source.config_dir, key):
         return f"{override}: {key} is part of the method; choose it with {key}@method.{key}={value}"
+    if "Could not append" in text and "already" in text:
+        return f"{override}: {key} is already in the config; drop the + to change it: {key}={value}"
     if "not in struct" in text or "Could not override" in text or "Could not append" in text:
         parent, _, leaf = key.rpartition(".")
-        known = _keys_at(config_dir, base, parent)
+        known = _keys_at(source, base, parent)
         if known is not None:
             where = parent or "the config"
             return (f"{override}: {where} has no key {leaf!r}; known: {', '.join(known)}{_suggest(leaf, known)}")
@@ -80,31 +321,26 @@ def _method_part(config_dir: str, group: str) -> bool:
     return any(f"/{group}@{group}:" in p.read_text() for p in (Path(config_dir) / "method").glob("*.yaml"))
 
 
-def _groups(config_dir: str) -> list[str]:
-    return sorted(p.name for p in Path(config_dir).iterdir() if p.is_dir())
+def _groups(source: Source) -> list[str]:
+    return sorted(p.name for p in Path(source.config_dir).iterdir() if p.is_dir())
 
 
-def _keys_at(config_dir: str, base: list[str], path: str) -> list[str] | None:
-    from hydra import compose, initialize_config_dir
+def _keys_at(source: Source, base: list[str], path: str) -> list[str] | None:
     from omegaconf import DictConfig, OmegaConf
 
     try:
-        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=base)
+        cfg = source.compose(base)
         node = OmegaConf.select(cfg, path) if path else cfg
     except Exception:
         return None
     return sorted(str(k) for k in node.keys()) if isinstance(node, DictConfig) else None
 
 
-def output_dir(config_dir: str, base: list[str], multirun: bool) -> Path | None:
+def output_dir(source: Source, base: list[str], multirun: bool) -> Path | None:
     """The run (or sweep) directory the command will write to, resolved now; None if only Hydra can resolve it."""
-    from hydra import compose, initialize_config_dir
-
     try:
-        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=base, return_hydra_config=True)
-            return Path(str(cfg.hydra.sweep.dir if multirun else cfg.hydra.run.dir))
+        cfg = source.compose(base, hydra=True)
+        return Path(str(cfg.hydra.sweep.dir if multirun else cfg.hydra.run.dir))
     except Exception:  # a directory built from run-time values (hydra.job.*)
         return None
 
@@ -126,27 +362,76 @@ def _unwritable_output(target: Path | None, multirun: bool) -> str | None:
     return None
 
 
-def _compose_error(config_dir: str, overrides: list[str]) -> Exception | None:
-    from hydra import compose, initialize_config_dir
-
+def _compose_error(source: Source, overrides: list[str]) -> Exception | None:
     try:
-        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
-            compose(config_name="config", overrides=overrides)
+        source.compose(overrides)
     except Exception as err:  # every Hydra/OmegaConf composition error
         return err
     return None
 
 
+def _package(ns: argparse.Namespace, source: Source, base: list[str]) -> str | None:
+    """One line for ``--cfg ... --package P`` when the printed config has nothing at P (Hydra: exit 1)."""
+    from omegaconf import OmegaConf
+
+    if ns.package in (None, "_global_"):
+        return None
+    try:
+        cfg = source.compose(base, hydra=ns.cfg != "job")
+        shown = OmegaConf.masked_copy(cfg, ["hydra"]) if ns.cfg == "hydra" else cfg
+        if OmegaConf.select(shown, ns.package) is not None:
+            return None
+    except Exception:  # a value only Hydra can resolve (hydra.job.*): Hydra prints it
+        return None
+    known = sorted(str(k) for k in shown.keys())
+    return (f"--package {ns.package}: the {ns.cfg} config has nothing at {ns.package!r}; known: {', '.join(known)}"
+            f"{_suggest(ns.package, known)}")
+
+
+def _settings_error(source: Source, parsed: list[Any], base: list[str]) -> str | None:
+    """One line for a single run whose typed settings do not parse, or that sets a key its other settings ignore."""
+    from adazeta.errors import ConfigError
+    from adazeta.settings import parse, unused_keys
+
+    try:
+        cfg = source.compose(base)
+    except Exception:
+        return None
+    try:
+        settings = parse(cfg)
+    except ConfigError as err:
+        return str(err)
+    except Exception:  # not a user's mistake we can name here: the run reports it
+        return None
+    unused = unused_keys(settings)
+    for p in parsed:
+        if p.is_delete() or p.key_or_group.startswith("hydra"):
+            continue
+        path = p.package if p.package and source.is_group(p.key_or_group) else p.key_or_group
+        for key, why in unused.items():
+            if path == key or path.startswith(key + "."):
+                return f"{p.input_line} is ignored: {why}"
+    return None
+
+
 def check(argv: list[str], config_dir: str) -> Checked:
-    """Compose the command's overrides (each sweep value on its own) and report what would fail, in one line each."""
+    """Read the flags, compose the overrides (each sweep value on its own) and report what would fail, one line each."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    if any(a in ("--help", "-h", "--hydra-help", "--version", "--shell-completion", "-sc") for a in argv):
+    if any(a in HANDED_OVER for a in argv):
         return Checked(list(argv))
-    overrides, where = split_args(argv)
+    ns, source, problem = read_flags(list(argv), config_dir)
+    if problem:
+        return Checked(list(argv), errors=[problem])
+    if ns.hydra_help:
+        return Checked(["--hydra-help"])  # Hydra's own help: overrides would only make it fail
+    if ns.help:
+        return Checked(["--help", *_flags(ns), *ns.overrides])  # the help shows the config these overrides compose
+    flags = _flags(ns)
+    overrides = list(ns.overrides)
     if not overrides:
-        return Checked(list(argv))
-    multirun = any(a in MULTIRUN for a in argv)
+        return Checked(flags)
+    multirun = bool(ns.multirun)
     parser = OverridesParser.create()
     parsed = []
     for text in overrides:
@@ -159,33 +444,50 @@ def check(argv: list[str], config_dir: str) -> Checked:
     sweeps = [p for p in parsed if p.is_sweep_override()]
     if sweeps and not multirun:
         return Checked(list(argv), errors=[f"{sweeps[0].input_line} lists several values: add -m to run each of them"])
-    error = _compose_error(config_dir, base)
+    for p in parsed:
+        problem = _group_choice(source, p) if not p.is_sweep_override() else None
+        problem = problem or _deleted(p, source, [line for line in base if line != p.input_line])
+        if problem:
+            return Checked(list(argv), errors=[problem])
+    error = _compose_error(source, base)
     if error is not None:
         # Find the override to blame: the first one that fails with the ones before it.
         for n in range(1, len(base) + 1):
-            err = _compose_error(config_dir, base[:n])
+            err = _compose_error(source, base[:n])
             if err is not None:
-                return Checked(list(argv), errors=[explain(err, base[n - 1], config_dir, base[: n - 1])])
-        return Checked(list(argv), errors=[explain(error, base[-1], config_dir, base[:-1])])
-    target = output_dir(config_dir, base, multirun)
+                return Checked(list(argv), errors=[explain(err, base[n - 1], source, base[: n - 1])])
+        return Checked(list(argv), errors=[explain(error, base[-1], source, base[:-1])])
+    problem = _added_unknown(parsed, source, base)
+    if problem is None and ns.cfg:
+        problem = _package(ns, source, base)
+    if problem:
+        return Checked(list(argv), errors=[problem])
+    target = output_dir(source, base, multirun)
     problem = _unwritable_output(target, multirun)
     if problem:
         return Checked(list(argv), errors=[problem])
-    new_argv, dropped = list(argv), []
-    for sweep, position in zip(sweeps, [where[overrides.index(s.input_line)] for s in sweeps]):
+    if not multirun and not ns.cfg and not ns.info:
+        problem = _settings_error(source, parsed, base)
+        if problem:
+            return Checked(list(argv), errors=[problem])
+    new_overrides, dropped = list(overrides), []
+    for sweep in sweeps:
         key = sweep.get_key_element()
+        problem = _group_choice(source, sweep)
         good = []
         for value in sweep.sweep_string_iterator():
             one = f"{key}={value}"
-            err = _compose_error(config_dir, base + [one])
-            if err is None:
+            one_problem = _group_choice(source, parser.parse_overrides([one])[0]) if problem else None
+            err = None if one_problem else _compose_error(source, base + [one])
+            if one_problem is None and err is None:
                 good.append(value)
             else:
-                dropped.append(explain(err, one, config_dir, base))
+                dropped.append(one_problem or explain(err, one, source, base))
         if not good:
             return Checked(list(argv), errors=dropped)
-        new_argv[position] = f"{key}={','.join(good)}"
+        new_overrides[overrides.index(sweep.input_line)] = f"{key}={','.join(good)}"
     if multirun and target is not None:
         # Resolved once, here, so that the jobs and the summary at the end agree on it (``${now:...}`` moves on).
-        new_argv = [a for a in new_argv if not a.startswith("hydra.sweep.dir=")] + [f"hydra.sweep.dir={target}"]
-    return Checked(new_argv, dropped=dropped, sweep_dir=target if multirun else None)
+        new_overrides = [a for a in new_overrides if not a.startswith("hydra.sweep.dir=")]
+        new_overrides.append(f"hydra.sweep.dir={target}")
+    return Checked(flags + new_overrides, dropped=dropped, sweep_dir=target if multirun else None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any, Callable, Generic, TypeVar
@@ -105,11 +106,31 @@ def _type_name(hint: Any) -> str:
 
 
 def check_type(value: Any, hint: Any, path: str) -> Any:
-    """``value`` if it fits ``hint`` (a float for an int given as a float hint), else ConfigError naming ``path``."""
+    """``value`` if it fits ``hint`` (a float for an int given as a float hint), else ConfigError naming ``path``.
+
+    NaN and infinity are refused everywhere, inside lists and mappings too: no setting here means anything with
+    them (a learning rate, a scale, a threshold), and they would only surface as a NaN loss or a crash mid-run.
+    """
     ok, converted = _fits(value, hint)
     if not ok:
         raise ConfigError(f"{path}={show(value)} must be {_type_name(hint)}")
+    where = non_finite(converted)
+    if where is not None:
+        inner, bad = where
+        raise ConfigError(f"{path}{inner}={show(bad)} must be a finite number (NaN and infinity mean nothing here)")
     return converted
+
+
+def non_finite(value: Any, inner: str = "") -> tuple[str, float] | None:
+    """(where, value) of the first NaN or infinite float in ``value`` or inside its lists and mappings, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return inner, value
+    items = enumerate(value) if isinstance(value, (list, tuple)) else value.items() if isinstance(value, dict) else ()
+    for key, item in items:
+        found = non_finite(item, f"{inner}[{key}]" if isinstance(key, int) else f"{inner}.{key}")
+        if found is not None:
+            return found
+    return None
 
 
 def _fits(value: Any, hint: Any) -> tuple[bool, Any]:
@@ -131,7 +152,10 @@ def _fits(value: Any, hint: Any) -> tuple[bool, Any]:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return False, value
-        return True, float(value)
+        try:
+            return True, float(value)
+        except OverflowError:  # an integer past float's range: infinite, refused by check_type
+            return True, math.inf
     if hint is str:
         return isinstance(value, str), value
     if origin in (list, tuple):

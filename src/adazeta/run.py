@@ -304,11 +304,12 @@ def _run_claimed(s: Settings, run_dir: Path, overrides: list[str] | None, d: Dis
                     shown = "; ".join(differences[:3]) + (
                         f"; and {len(differences) - 3} more" if len(differences) > 3 else "")
                     raise ConfigError(
-                        f"{run_dir} holds a {status} run with other settings ({shown}); rerun with force=true to "
-                        "replace it, or choose another hydra.run.dir"
+                        f"{run_dir} holds {article(status)} {status} run with other settings ({shown}); rerun with "
+                        "force=true to replace it, or choose another hydra.run.dir"
                     )
                 if status in ENDED:
-                    log.info("skipping: %s already holds a %s result (force=true reruns it)", run_dir, status)
+                    log.info("skipping: %s already holds %s %s result (force=true reruns it)", run_dir, article(status),
+                             status)
                     return decide("skip", read_result(run_dir / "result.json"))
             write_provenance(run_dir, s.raw, overrides)
             resume = load_checkpoint(checkpoint) if checkpoint.is_file() else None
@@ -321,6 +322,11 @@ def _run_claimed(s: Settings, run_dir: Path, overrides: list[str] | None, d: Dis
 
 
 CHECKPOINT = "checkpoint.pt"
+
+
+def article(word: str) -> str:
+    """'an' before a vowel (an interrupted run), else 'a' (a finished run)."""
+    return "an" if word[:1].lower() in "aeiou" else "a"
 
 
 def previous_run(run_dir: Path) -> tuple[str, dict[str, Any]] | None:

@@ -81,9 +81,24 @@ def _component(registry: Any, node: dict[str, Any] | None, where: str) -> Compon
     return Component(kind, make_config(entry.config_cls, values, where=f"{where} {kind!r}"))
 
 
+# The blocks every composed config holds (conf/config.yaml and its groups); a missing one is a config's mistake.
+REQUIRED = ("seed", "model", "task", "schedule", "method", "train", "data", "divergence", "wandb")
+
+
+def _required(raw: dict[str, Any]) -> None:
+    for key in REQUIRED:
+        if key not in raw:
+            raise ConfigError(f"the config has no {key!r}: every run needs it (was it deleted with ~{key}, or left "
+                              "out of a primary config given with --config-name?)")
+    for key in ("method", "schedule"):
+        if not isinstance(raw[key], dict) or "name" not in raw[key]:
+            raise ConfigError(f"{key}={show(raw[key])} must be a {key} option with a name; choose one with {key}=NAME")
+
+
 def parse(cfg: DictConfig) -> Settings:
     """Hydra config -> typed settings. Raises ConfigError with a one-line message on any bad value."""
     raw = _plain(cfg)
+    _required(raw)
     seed = raw.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         # numpy's global seed is 32 bits; every other generator derives from this one.
@@ -159,3 +174,32 @@ def parse(cfg: DictConfig) -> Settings:
             f"method {method['name']!r}: a linear probe classifies; task {settings.task.name!r} generates text"
         )
     return settings
+
+
+def unused_keys(s: Settings) -> dict[str, str]:
+    """Keys that this run's other settings leave unused, each with the reason and the way to use it.
+
+    A command line that sets one of them is refused (``adazeta.overrides``): the value would be silently ignored.
+    A key's prefix covers its children (``schedule`` covers ``schedule.q``).
+    """
+    unused: dict[str, str] = {}
+    zo = s.optimizer is not None and s.optimizer.config.zeroth_order
+    first_order = s.optimizer is not None and not zo
+    if s.train.eval_every_forwards is not None:
+        unused["train.eval_every"] = (
+            f"train.eval_every_forwards={s.train.eval_every_forwards} evaluates dev by forward passes instead; "
+            "set train.eval_every_forwards=null to evaluate every train.eval_every steps"
+        )
+    if not zo:
+        unused["schedule"] = (f"method {s.method!r} makes no zeroth-order queries, so no query schedule applies; "
+                              "leave the schedule out, or choose a ZO method")
+    if not first_order and s.train.grad_accum > 1:
+        unused["train.grad_accum"] = (f"method {s.method!r} takes no backward pass, and train.grad_accum splits a "
+                                      "first-order step into micro-batches; leave it at 1")
+    if s.divergence.rule == "none":
+        for key in ("factor", "patience"):
+            unused[f"divergence.{key}"] = ("divergence.rule=none has no dev-loss rule; set divergence.rule=best (or "
+                                           "initial) to use it")
+    if not s.divergence.collapse:
+        unused["divergence.collapse_fraction"] = "divergence.collapse=false; set divergence.collapse=true to use it"
+    return unused

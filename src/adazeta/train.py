@@ -68,6 +68,11 @@ class TrainConfig:
             raise ConfigError(f"train.select_on={self.select_on!r} is not one of {', '.join(SELECT_ON)}")
         if self.select_from < 0:
             raise ConfigError(f"train.select_from={self.select_from} must be >= 0")
+        if self.keep_best and self.select_from > self.max_steps:
+            # No evaluation could be kept: the test would silently score the untrained model.
+            raise ConfigError(f"train.select_from={self.select_from} is after the last step (train.max_steps="
+                              f"{self.max_steps}): no dev evaluation could be kept for the test; lower "
+                              "train.select_from (or set train.keep_best=false to test the final state)")
         if self.max_forward_passes is not None and self.max_forward_passes < 1:
             raise ConfigError(f"train.max_forward_passes={self.max_forward_passes} must be >= 1 or null")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:

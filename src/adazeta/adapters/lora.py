@@ -26,6 +26,9 @@ class LoraAdapterConfig(AdapterCapabilities):
     def __post_init__(self) -> None:
         if self.r < 1:
             raise ConfigError(f"method.adapter.r={self.r} must be >= 1")
+        if self.alpha <= 0:
+            # alpha = 0 scales the update (alpha / r) B A to nothing: the adapter would never change the model.
+            raise ConfigError(f"method.adapter.alpha={self.alpha} must be > 0")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"method.adapter.dropout={self.dropout} must be in [0, 1)")
 
