@@ -5,6 +5,7 @@ sets, bf16), and processes holding different weights are caught by their checksu
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 
@@ -202,3 +203,17 @@ def test_processes_with_different_weights_disagree_on_every_rank(differ, tmp_pat
     mp.spawn(_checksum_worker, args=(str(tmp_path / "store"), differ, out), nprocs=2, join=True)
     answers = {open(f"{out}.{r}").read() for r in range(2)}
     assert answers == {str(not differ)}
+
+
+@pytest.mark.parametrize("method", ["mezo", "ft"])
+def test_torchrun_ranks_compare_their_weights_every_step_and_agree(method, fixture_data, tmp_path):
+    """The checksum runs inside real two-process runs (ZO: every rank applies the whole update; FO: DDP) without a
+    false alarm; the disagreeing case is the spawned test above."""
+    from test_distributed import launch
+
+    overrides = tiny_overrides(fixture_data, f"method={method}", "guard.checksum_every=1", "guard.every=1")
+    done = launch(2, *overrides, f"hydra.run.dir={tmp_path / 'two'}", module=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((tmp_path / "two" / "result.json").read_text())
+    assert record["status"] == "finished" and record["world_size"] == 2
+    assert all(r["update_changed"] for r in read_metrics(tmp_path / "two"))
