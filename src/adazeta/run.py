@@ -44,6 +44,7 @@ from adazeta.optim import OPTIMIZERS, check_contract, zeroth_order
 from adazeta.paths import config_dir
 from adazeta.probe import linear_probe
 from adazeta.record import ENDED, RunRecord
+from adazeta.saving import model_card, save_adapters
 from adazeta.results import device_info, git_state, package_versions, read_result, write_result
 from adazeta.rundir import Interrupted, StopSignals, atomic_write_text, claim, config_differences
 from adazeta.optim.batched import replica_sites
@@ -431,6 +432,29 @@ def save_predictions(run_dir: Path, outcome: Any, data: TaskData) -> None:
             write_predictions(run_dir, split, result.predictions, rows)
 
 
+def save_trained(run_dir: Path, model: Any, s: Settings, record: RunRecord, outcome: Any) -> None:
+    """``adapter/`` (the tested best-dev state), ``adapter_last/`` (``train.save=last|both``), and ``model/`` for a
+    full-parameter method with ``train.save_model=true`` (adazeta.saving)."""
+    kind, config = s.adapter.kind, s.adapter.config
+    if not config.trains:
+        return
+    overrides = run_dir / ".hydra" / "overrides.yaml"
+    command = OmegaConf.load(overrides) if overrides.is_file() else []
+    card = model_card(record.as_dict(), [str(c) for c in command], kind)
+    base = {"name": s.model.name, "hub_id": s.model.hub_id, "path": s.model.path, "gguf_file": s.model.gguf_file}
+    if config.trains_backbone:
+        if s.train.save_model:
+            size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+            log.info("writing the trained model (%.2f GiB) to %s", size, run_dir / "model")
+            model.save_pretrained(str(run_dir / "model"))
+            (run_dir / "model" / "README.md").write_text(card)
+        return
+    if s.train.save in ("best", "both"):
+        save_adapters(model, run_dir / "adapter", kind, config, base, card)
+    if s.train.save in ("last", "both") and outcome.last_state is not None:
+        save_adapters(model, run_dir / "adapter_last", kind, config, base, card, state=outcome.last_state)
+
+
 def _execute(
     s: Settings, run_dir: Path, resume: dict[str, Any] | None, record: RunRecord, signals: StopSignals,
     d: Dist = distributed.SINGLE,
@@ -520,6 +544,7 @@ def _execute(
     record.test_metrics = dict(outcome.test.metrics)
     if d.is_main:
         save_predictions(run_dir, outcome, data)
+        save_trained(run_dir, model, s, record, outcome)
     log.info(
         "%s after %d steps (best dev step %d): dev %s %.4f -> %.4f, test %s %.4f; results in %s",
         outcome.status, outcome.steps, outcome.best_step, s.task.metric, outcome.initial_dev.score,

@@ -35,7 +35,8 @@ LOCK_NAME = ".lock"
 # forward) changes the batched forwards' rounding only.
 # ``task.version`` neither: the prompt format of the run's family is compared itself (see OTHER_FAMILY).
 NON_RESULT_KEYS = ("force", "dry_run", "verbose", "data.dir", "model.model_dir", "train.eval_batch_size",
-                   "train.checkpoint_every", "task.version", "model.device_map", "method.optimizer.query_memory")
+                   "train.checkpoint_every", "train.save", "train.save_model", "task.version", "model.device_map",
+                   "method.optimizer.query_memory")
 # ``distributed.``: how the work is divided over processes (a data-parallel sum differs from one process only by
 # rounding). ``guard.``: measurements of a run (its stall stop ends only a run whose updates change nothing).
 # ``model.placements``: fixed data of the model's YAML (the recorded placement and model name say which sites a

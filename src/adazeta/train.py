@@ -32,6 +32,7 @@ from adazeta.tracking import DivergenceMonitor, Progress, Tracker, peak_memory_m
 
 
 SELECT_ON = ("loss", "metric")
+SAVE = ("best", "last", "both", "none")
 log = logging.getLogger("adazeta")
 
 
@@ -60,8 +61,14 @@ class TrainConfig:
     # The LM loss (COPA, ReCoRD, SQuAD, DROP): each example's mean token loss averaged over examples (`example`), or
     # the mean over all gold tokens of the batch (`token`: MeZO's CrossEntropyLoss over every option token).
     lm_reduction: str = "example"
+    # What a run keeps of what it trained (adazeta.saving): its adapters at the tested best-dev state (`best`), at
+    # the last step (`last`), both, or nothing; full-parameter methods write the whole model only with save_model.
+    save: str = "best"
+    save_model: bool = False
 
     def __post_init__(self) -> None:
+        if self.save not in SAVE:
+            raise ConfigError(f"train.save={self.save!r} is not one of {', '.join(SAVE)}")
         if self.lm_reduction not in ("example", "token"):
             raise ConfigError(f"train.lm_reduction={self.lm_reduction!r} is not one of example, token")
         if self.select_on not in SELECT_ON:
@@ -98,6 +105,7 @@ class Outcome:
     best_dev: EvalResult
     test: EvalResult | None  # None when interrupted: the run resumes instead of being tested
     forward_passes: int
+    last_state: dict[str, torch.Tensor] | None = None  # train.save=last|both: the trainable state at the end
 
 
 class Checkpoints:
@@ -376,6 +384,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
             if cfg.checkpoint_every is not None and step % cfg.checkpoint_every == 0 and step < max_steps:
                 save(step)
         progress.close()
+        last_state = trainable_state(model) if cfg.save in ("last", "both") else None
         if cfg.keep_best and best_state is not None:
             load_trainable_state_(model, best_state)
         elif not cfg.keep_best:
@@ -383,7 +392,8 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
 
     test = evaluate(scorer, splits.test, obj.test_generation, desc="test", keep=True)
     tracker.log_eval(best_step, "test", test.loss, test.score, test.tied)
-    return Outcome(status, reason, step, best_step, initial, best, test, forward_passes)
+    return Outcome(status, reason, step, best_step, initial, best, test, forward_passes,
+                   last_state if optimizer is not None else None)
 
 
 def better(result: EvalResult, best: EvalResult, select_on: str) -> bool:

@@ -1,0 +1,194 @@
+"""Keep what a run trains, in formats the ecosystem loads, and load it back onto a plain ``transformers`` model.
+
+A run writes ``adapter/`` (the best-dev state that test was evaluated with; ``adapter_last/`` too with
+``train.save=last|both``):
+
+- LoRA: peft's own folder (``adapter_config.json``, ``adapter_model.safetensors``), so
+  ``PeftModel.from_pretrained(base, run_dir / "adapter")`` loads it; a head trained beside it (``train_head``) is
+  in ``head.safetensors``, which ``load_adapters`` applies too.
+- TT and bottleneck adapters (not mergeable: a nonlinearity sits between their factors):
+  ``adapter_model.safetensors`` (the adapters' parameters under their module names) and ``adazeta_adapter.json``
+  (the adapter kind and its whole config, the base model and the architecture it was trained on);
+  ``load_adapters(model, folder)`` attaches them to a plain model and loads the tensors, refusing a base model
+  that does not match in one line.
+- Full-parameter methods (MeZO, Sparse-MeZO, FT): ``train.save_model=true`` writes the model's own
+  ``save_pretrained`` folder to ``model/`` (one copy of the model: its size is logged first).
+
+Every folder has a ``README.md`` model card: task, method, scores, the command. ``save_pretrained`` on a model with
+TT or bottleneck adapters attached is refused (it would store the adapted layers under renamed keys, which
+``from_pretrained`` silently replaces by random weights): save the adapters with ``save_adapters``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from adazeta.errors import ConfigError
+
+log = logging.getLogger("adazeta")
+
+ADAPTER_CONFIG = "adazeta_adapter.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+HEAD_WEIGHTS = "head.safetensors"
+FORMAT = 1
+# The architecture values a saved adapter must find again in the model it is loaded onto.
+ARCHITECTURE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+
+
+def architecture_of(model: nn.Module) -> dict[str, Any]:
+    config = getattr(model, "config", None)
+    return {k: getattr(config, k, None) for k in ARCHITECTURE_KEYS}
+
+
+def is_peft(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def trainable_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().to("cpu").contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_adapters(model: nn.Module, folder: Path, kind: str, config: Any, base: dict[str, Any],
+                  card: str = "", state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the trained adapters of ``model`` (or ``state``, a trainable state of it) to ``folder``.
+
+    ``kind`` and ``config``: the adapter registry's name and config dataclass; ``base``: what names the base model
+    (name, hub id or path). ``state`` (e.g. the best-dev state kept in memory) is loaded into the model first."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if state is not None:
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in state.items():
+                params[name].copy_(value)
+    if is_peft(model):
+        model.save_pretrained(str(folder))
+        head = {n: t for n, t in trainable_tensors(model).items() if "lora_" not in n}
+        if head:  # train_head: peft saves the LoRA matrices only
+            save_file(head, str(folder / HEAD_WEIGHTS))
+    else:
+        tensors = trainable_tensors(model)
+        if not tensors:
+            raise ConfigError(f"method's adapter {kind!r} trains nothing to save; set train.save=none")
+        save_file(tensors, str(folder / ADAPTER_WEIGHTS))
+        meta = {"format": FORMAT, "kind": kind, "config": dataclasses.asdict(config), "base_model": base,
+                "architecture": architecture_of(model),
+                "tensors": {n: list(t.shape) for n, t in tensors.items()}}
+        (folder / ADAPTER_CONFIG).write_text(json.dumps(meta, indent=1, default=str) + "\n")
+    if card:
+        (folder / "README.md").write_text(card)
+    return folder
+
+
+def load_adapters(model: nn.Module, folder: str | Path) -> nn.Module:
+    """Attach the adapters saved in ``folder`` to ``model`` (a plain ``transformers`` model) and load their weights.
+
+    Returns the model to use: the same module with TT / bottleneck adapters, or peft's ``PeftModel`` for LoRA.
+    A folder that holds no adapters, or a base model whose architecture or layers differ from the one the adapters
+    were trained on, is one line (``ConfigError``)."""
+    from safetensors.torch import load_file
+
+    from adazeta.adapters import ADAPTERS
+    from adazeta.registry import make_config
+
+    folder = Path(folder)
+    if (folder / "adapter_config.json").is_file():  # peft's LoRA folder
+        from peft import PeftModel
+
+        try:
+            wrapped = PeftModel.from_pretrained(model, str(folder))
+        except Exception as err:  # a base model without the adapted modules, or other shapes
+            raise ConfigError(f"cannot load the LoRA adapters of {folder} onto this model ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0][:200]}); load them onto the base model they were trained on") from None
+        if (folder / HEAD_WEIGHTS).is_file():
+            _load_into(wrapped, load_file(str(folder / HEAD_WEIGHTS)), folder / HEAD_WEIGHTS, untie=True)
+        return wrapped
+    meta_path = folder / ADAPTER_CONFIG
+    if not meta_path.is_file():
+        raise ConfigError(f"{folder} holds no saved adapters ({ADAPTER_CONFIG} or peft's adapter_config.json); "
+                          "point at a run's adapter/ folder")
+    meta = json.loads(meta_path.read_text())
+    mine, theirs = architecture_of(model), meta.get("architecture", {})
+    # A dry run's meta-device model (counts, memory): its vocabulary is the config's, not a tokenizer's, and it
+    # holds no numbers to load.
+    dry = any(p.is_meta for p in model.parameters())
+    keys = [k for k in ARCHITECTURE_KEYS if not (dry and k == "vocab_size")]
+    differ = [f"{k} {theirs.get(k)} -> {mine.get(k)}" for k in keys if theirs.get(k) != mine.get(k)]
+    if differ:
+        base = meta.get("base_model", {}).get("name", "?")
+        raise ConfigError(f"the adapters in {folder} were trained on {base!r}, another architecture than this model's "
+                          f"({'; '.join(differ)}); load them onto that model")
+    entry = ADAPTERS.get(meta["kind"])
+    model = entry.builder(model, make_config(entry.config_cls, meta["config"], where=f"{meta_path} config"))
+    if not dry:
+        _load_into(model, load_file(str(folder / ADAPTER_WEIGHTS)), folder / ADAPTER_WEIGHTS)
+    return model
+
+
+def _load_into(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path, untie: bool = False) -> None:
+    params = dict(model.named_parameters())
+    for name, value in tensors.items():
+        target = params.get(name)
+        if target is None or tuple(target.shape) != tuple(value.shape):
+            found = "no such parameter" if target is None else f"shape {tuple(target.shape)}, saved {tuple(value.shape)}"
+            raise ConfigError(f"{where}: {name}: {found} in this model; load it onto the base model it was trained on")
+    if untie:  # a trained head is its own copy, not the embedding's
+        from adazeta.adapters.basic import untie_head
+
+        untie_head(model)
+        params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in tensors.items():
+            params[name].copy_(value.to(params[name].dtype))
+
+
+def refuse_save_pretrained(model: nn.Module) -> None:
+    """Make ``model.save_pretrained`` refuse in one line while TT or bottleneck adapters are attached."""
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ConfigError("save_pretrained would store this model's adapted layers under renamed keys (from_pretrained "
+                          "then initialises them at random); save the adapters with adazeta.save_adapters (a run "
+                          "writes them to adapter/) and load them with adazeta.load_adapters(model, folder)")
+
+    model.save_pretrained = refuse  # an instance attribute: the class and unadapted models are untouched
+
+
+def model_card(record: dict[str, Any], command: list[str] | None, kind: str) -> str:
+    """A short README.md: what was trained, on what, how well, and the command that made it."""
+    metric = record.get("metric") or "accuracy"
+    lines = [
+        f"# {record.get('method')} on {record.get('task')} ({record.get('model')})",
+        "",
+        f"Trained by adazeta (`{kind}` adapters), seed {record.get('seed')}, status {record.get('status')}, "
+        f"{record.get('steps')} steps, kept state from step {record.get('best_step')}.",
+        "",
+        "| split | loss | " + metric + " |",
+        "|---|---|---|",
+        f"| dev | {record.get('dev_loss')} | {record.get('dev_' + metric)} |",
+        f"| test | {record.get('test_loss')} | {record.get('test_' + metric)} |",
+        "",
+        "Command: `adazeta-run " + " ".join(command or []) + "`",
+        "",
+        "Load it onto the base model:",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM  # or AutoModelForMaskedLM",
+        "import adazeta",
+        "model = adazeta.load_adapters(AutoModelForCausalLM.from_pretrained(BASE), \"path/to/this/folder\")",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)

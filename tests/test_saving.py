@@ -1,0 +1,135 @@
+"""Keep what a run trains: adapter/ holds the tested state in a loadable format, `method=eval eval.from=<run>`
+scores it again in a fresh process bit for bit, peft loads LoRA folders itself, a mismatched base model and a
+save_pretrained of an adapted model are one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from adazeta.errors import ConfigError
+from adazeta.run import build, parse, run
+from adazeta.saving import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapters
+from helpers import ROOT, compose_cfg, tiny_overrides
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """adazeta-run in a fresh process (nothing shared with the run that saved)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run([sys.executable, "-m", "adazeta.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+
+
+def result(run_dir):
+    return json.loads((run_dir / "result.json").read_text())
+
+
+@pytest.mark.parametrize("method", ["adazeta", "adapter", "mezo_lora"])
+def test_a_saved_run_scores_the_same_in_a_fresh_process(method, fixture_data, tmp_path):
+    trained = tmp_path / "trained"
+    record = run(compose_cfg(tiny_overrides(fixture_data, f"method={method}")), trained)
+    saved = trained / "adapter"
+    assert (saved / "README.md").is_file() and "Command: `adazeta-run" in (saved / "README.md").read_text()
+    if method == "mezo_lora":
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in saved.iterdir()}
+    else:
+        assert {ADAPTER_CONFIG, ADAPTER_WEIGHTS} <= {p.name for p in saved.iterdir()}
+    done = cli(*tiny_overrides(fixture_data, "method=eval", f"eval.from={trained}"),
+               f"hydra.run.dir={tmp_path / 'again'}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    again = result(tmp_path / "again")
+    assert again["config"]["method"]["adapter"]["source"] == str(trained)  # the result names its source
+    assert (again["test_loss"], again["test_accuracy"]) == (record["test_loss"], record["test_accuracy"])
+    assert (tmp_path / "again" / "predictions" / "test.csv").read_text() == \
+        (trained / "predictions" / "test.csv").read_text()
+
+
+def test_peft_loads_a_saved_lora_folder_itself(fixture_data, tmp_path):
+    from peft import PeftModel
+
+    run(compose_cfg(tiny_overrides(fixture_data, "method=mezo_lora")), tmp_path / "trained")
+    s = parse(compose_cfg(tiny_overrides(fixture_data, "method=zero_shot")))
+    base = build(s).model  # the plain tiny model, as the run drew it
+    trained = build(parse(compose_cfg(tiny_overrides(fixture_data, "method=eval",
+                                                     f"eval.from={tmp_path / 'trained'}")))).model
+    wrapped = PeftModel.from_pretrained(base, str(tmp_path / "trained" / "adapter"))
+    mine = {n: p for n, p in trained.named_parameters() if "lora_B" in n}
+    theirs = {n: p for n, p in wrapped.named_parameters() if "lora_B" in n}
+    assert mine.keys() == theirs.keys() and mine
+    assert all(torch.equal(mine[n], theirs[n]) for n in mine) and any(bool(p.abs().sum()) for p in mine.values())
+
+
+def test_a_different_base_model_is_refused_in_one_line(fixture_data, tmp_path):
+    run(compose_cfg(tiny_overrides(fixture_data, "method=adazeta")), tmp_path / "trained")
+    done = cli(*tiny_overrides(fixture_data, "method=eval", f"eval.from={tmp_path / 'trained'}",
+                               "model.architecture.num_hidden_layers=1"), f"hydra.run.dir={tmp_path / 'again'}")
+    lines = [x for x in done.stderr.splitlines() if x.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert "another architecture than this model's (num_hidden_layers 2 -> 1)" in lines[0]
+
+
+@pytest.mark.parametrize("source,message", [
+    (None, "method=eval needs eval.from="),
+    ("missing", "no such folder"),
+    ("empty", "holds no saved adapters"),
+])
+def test_eval_without_saved_adapters_is_one_line_before_any_model_loads(source, message, fixture_data, tmp_path):
+    (tmp_path / "empty").mkdir()
+    extra = [] if source is None else [f"eval.from={tmp_path / source}"]
+    s = None
+    with pytest.raises(ConfigError, match=message):
+        s = parse(compose_cfg(tiny_overrides(fixture_data, "method=eval", *extra)))
+    assert s is None
+
+
+def test_save_pretrained_of_an_adapted_model_is_refused(fixture_data, tmp_path):
+    model = build(parse(compose_cfg(tiny_overrides(fixture_data, "method=adazeta")))).model
+    with pytest.raises(ConfigError, match="save the adapters with adazeta.save_adapters"):
+        model.save_pretrained(str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_load_adapters_onto_a_plain_model_gives_the_trained_forward(fixture_data, tmp_path):
+    run(compose_cfg(tiny_overrides(fixture_data, "method=adazeta")), tmp_path / "trained")
+    s = parse(compose_cfg(tiny_overrides(fixture_data, "method=zero_shot")))
+    plain = build(s).model
+    loaded = load_adapters(plain, tmp_path / "trained" / "adapter")
+    evaluated = build(parse(compose_cfg(tiny_overrides(fixture_data, "method=eval",
+                                                       f"eval.from={tmp_path / 'trained'}")))).model
+    ids = torch.tensor([[1, 5, 9, 13, 2]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, evaluated(ids).logits)
+
+
+def test_save_last_and_none(fixture_data, tmp_path):
+    run(compose_cfg(tiny_overrides(fixture_data, "method=adazeta", "train.save=both", "train.max_steps=6",
+                                   "train.eval_every=3")), tmp_path / "both")
+    assert (tmp_path / "both" / "adapter").is_dir() and (tmp_path / "both" / "adapter_last").is_dir()
+    run(compose_cfg(tiny_overrides(fixture_data, "method=adazeta", "train.save=none")), tmp_path / "none")
+    assert not (tmp_path / "none" / "adapter").exists()
+    with pytest.raises(ConfigError, match="train.save='every' is not one of best, last, both, none"):
+        parse(compose_cfg(tiny_overrides(fixture_data, "train.save=every")))
+
+
+def test_full_parameter_methods_write_the_model_only_on_request(fixture_data, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    run(compose_cfg(tiny_overrides(fixture_data, "method=mezo")), tmp_path / "plain")
+    assert not (tmp_path / "plain" / "model").exists() and not (tmp_path / "plain" / "adapter").exists()
+    run(compose_cfg(tiny_overrides(fixture_data, "method=mezo", "train.save_model=true")), tmp_path / "kept")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "kept" / "model")
+    assert (tmp_path / "kept" / "model" / "README.md").is_file()
+    assert sum(p.numel() for p in reloaded.parameters()) > 0
+
+
+def test_a_dry_run_of_eval_counts_the_saved_adapters(fixture_data, tmp_path, capsys):
+    run(compose_cfg(tiny_overrides(fixture_data, "method=adazeta")), tmp_path / "trained")
+    run(compose_cfg(tiny_overrides(fixture_data, "method=eval", f"eval.from={tmp_path / 'trained'}",
+                                   "dry_run=true")), tmp_path / "dry")
+    out = capsys.readouterr().out
+    assert "adapter: saved" in out and "adapters         6" in out
