@@ -1,0 +1,113 @@
+"""What a person sees: the progress bar and log lines of a run, its last line, its errors, the folders it leaves,
+its figures and its --help page."""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from adazeta import tracking
+from adazeta.errors import ConfigError
+from adazeta.run import run
+from adazeta.tracking import Progress
+from helpers import compose_cfg, tiny_overrides
+
+
+def run_cli(monkeypatch, capsys, args: list[str]) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of ``adazeta-run args``, run in this process."""
+    from adazeta import cli
+
+    monkeypatch.setattr(sys, "argv", ["adazeta-run", *args])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code if isinstance(exit_info.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# --- the training bar and log lines ------------------------------------------------------------------------------
+
+def test_the_bar_shows_the_fields_of_the_step_it_counts(monkeypatch):
+    # tqdm redraws the line in update(): fields set after it showed the step before (at 2/3: fwd=2, not 4).
+    monkeypatch.setattr(tracking, "show_progress", lambda: True)
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", out)  # where the bar draws
+    progress = Progress(total=3)
+    progress.bar.mininterval = 0  # redraw on every step, as a slow real step does
+    progress.step(1, 0.5, 1, 2)
+    progress.step(2, 0.4, 1, 4)
+    line = out.getvalue().split("\r")[-1]
+    assert "2/3" in line and "fwd=4" in line and "loss=0.4000" in line, line
+    progress.evaluated(2, 0.575, "accuracy", 1.31, 2)  # the evaluation after step 2 shows at once, not at step 3
+    line = out.getvalue().split("\r")[-1]
+    assert "2/3" in line and "dev_loss=1.3100" in line and "dev_acc=0.575@2" in line, line
+    progress.close()
+
+
+def test_the_fields_name_the_dev_loss_and_what_chooses_the_kept_state(monkeypatch, caplog):
+    monkeypatch.setattr(tracking, "show_progress", lambda: False)
+    progress = Progress(total=10, every_s=0.0)
+    with caplog.at_level(logging.INFO, logger="adazeta"):
+        progress.step(1, 0.7, 1, 2)
+        progress.evaluated(2, 0.575, "accuracy", 1.31, 2)
+        progress.step(3, 0.6, 1, 6)
+    line = caplog.records[-1].getMessage()
+    assert "dev_loss 1.3100  dev_acc 0.575@2  best loss@2" in line, line
+    on_metric = Progress(total=10, every_s=0.0, select_on="metric")
+    on_metric.evaluated(4, 0.6, "accuracy", 1.4, 2)
+    assert on_metric.fields(5, 0.5, 1, 10)["best"] == "acc@2"
+
+
+def test_the_last_line_shows_the_dev_loss_that_chose_the_state(tmp_path):
+    from adazeta.run import summary_line
+
+    result = lambda loss, score: SimpleNamespace(loss=loss, score=score)  # noqa: E731
+    outcome = SimpleNamespace(status="finished", steps=400, best_step=200, initial_dev=result(1.56, 0.575),
+                              best_dev=result(1.31, 0.575), test=result(1.2, 0.6))
+    line = summary_line(outcome, "accuracy", "loss", tmp_path)
+    assert line.startswith("finished after 400 steps (best dev step 200, chosen on dev loss): dev loss 1.5600 -> "
+                           "1.3100, dev accuracy 0.5750 -> 0.5750, test accuracy 0.6000"), line
+    assert "chosen on dev accuracy" in summary_line(outcome, "accuracy", "metric", tmp_path)
+
+
+# --- evaluations in a log file -----------------------------------------------------------------------------------
+
+def test_a_logged_run_says_when_each_evaluation_starts_and_ends(fixture_data, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(tracking, "show_progress", lambda: False)  # stdout is a file: no bars
+    with caplog.at_level(logging.INFO, logger="adazeta"):
+        record = run(compose_cfg(tiny_overrides(fixture_data, "method=mezo_lora", "train.eval_batch_size=4")),
+                     tmp_path / "run")
+    assert record["status"] == "finished"
+    lines = [r.getMessage() for r in caplog.records]
+    assert "dev@0: evaluating 16 examples (4 batches)" in lines
+    assert any(line.startswith("dev@0: 16 examples in ") and "loss " in line and "accuracy " in line for line in lines)
+    assert any(line.startswith("test: 16 examples in ") for line in lines)
+    assert not any("examples after" in line for line in lines)  # quick evaluations: no progress lines
+    summary = lines[-1]
+    assert "chosen on dev loss" in summary and "dev loss " in summary and " -> " in summary, summary
+
+
+def test_a_long_evaluation_logs_its_progress(fixture_data, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(tracking, "show_progress", lambda: False)
+    monkeypatch.setattr(tracking, "EVAL_LINES_EVERY_S", 0.0)  # as if every batch took longer than the period
+    with caplog.at_level(logging.INFO, logger="adazeta"):
+        run(compose_cfg(tiny_overrides(fixture_data, "method=zero_shot", "train.eval_batch_size=4")), tmp_path / "run")
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("test: ") and "after" in
+                r.getMessage()]
+    assert [p.split(" after")[0] for p in progress] == ["test: 4/16 examples", "test: 8/16 examples",
+                                                        "test: 12/16 examples"], progress
+    assert all("left" in p for p in progress)
+
+
+def test_a_terminal_gets_bars_not_evaluation_lines(fixture_data, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(tracking, "show_progress", lambda: True)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    with caplog.at_level(logging.INFO, logger="adazeta"):
+        run(compose_cfg(tiny_overrides(fixture_data, "method=zero_shot")), tmp_path / "run")
+    assert not any("evaluating" in r.getMessage() for r in caplog.records)
