@@ -111,3 +111,33 @@ def test_a_terminal_gets_bars_not_evaluation_lines(fixture_data, tmp_path, monke
     with caplog.at_level(logging.INFO, logger="adazeta"):
         run(compose_cfg(tiny_overrides(fixture_data, "method=zero_shot")), tmp_path / "run")
     assert not any("evaluating" in r.getMessage() for r in caplog.records)
+
+
+# --- a missing local model -----------------------------------------------------------------------------------------
+
+def test_a_model_dir_without_the_model_fails_at_once_without_the_hub(tmp_path, monkeypatch):
+    import transformers
+
+    from adazeta.models import ModelConfig, complete_config
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda *a, **k: pytest.fail(f"looked for the model config at {a[0]}"))
+    cfg = ModelConfig(name="hf", family=None, hub_id="google/gemma-3-270m", model_dir=str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        complete_config(cfg)
+    message = str(err.value)
+    assert "\n" not in message and str(tmp_path) in message
+    assert f"{tmp_path / 'gemma-3-270m'}" in message and "model.local_name=gemma-3-270m" in message
+    named = ModelConfig(name="hf", family=None, hub_id="google/gemma-3-270m", local_name="gemma",
+                        model_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match=f"model file not found: {tmp_path / 'gemma' / 'config.json'}"):
+        complete_config(named)
+
+
+def test_the_command_names_the_folder_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ADAZETA_MODEL_DIR", str(tmp_path / "models"))
+    (tmp_path / "models").mkdir()
+    code, _, err = run_cli(monkeypatch, capsys, ["model=hf", "model.hub_id=google/gemma-3-270m", "dry_run=true",
+                                                 f"hydra.run.dir={tmp_path / 'run'}"])
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and str(tmp_path / "models" / "gemma-3-270m") in lines[0], err
