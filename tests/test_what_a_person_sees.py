@@ -141,3 +141,41 @@ def test_the_command_names_the_folder_in_one_line(tmp_path, monkeypatch, capsys)
                                                  f"hydra.run.dir={tmp_path / 'run'}"])
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and str(tmp_path / "models" / "gemma-3-270m") in lines[0], err
+
+
+# --- folders left behind -------------------------------------------------------------------------------------------
+
+def test_a_dry_run_leaves_no_folder(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "outputs" / "sst2" / "run"
+    code, out, err = run_cli(monkeypatch, capsys, ["model=tiny-llama", "dry_run=true", f"hydra.run.dir={run_dir}"])
+    assert code == 0 and "trainable params" in out, err
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_a_run_refused_at_its_start_leaves_no_folder(tmp_path, monkeypatch, capsys, fixture_data):
+    # A model file that is missing is found once the run starts, after Hydra made the run directory.
+    run_dir = tmp_path / "outputs" / "run"
+    code, _, err = run_cli(monkeypatch, capsys, [f"model.model_dir={tmp_path / 'models'}", f"data.dir={fixture_data}",
+                                                 f"hydra.run.dir={run_dir}"])
+    assert code == 2 and "model file not found" in err, err
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_what_existed_before_is_never_removed(tmp_path, monkeypatch, capsys):
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "cli.log").write_text("")  # an earlier command's empty log
+    (tmp_path / "empty").mkdir()  # an empty folder above the run directory
+    for run_dir in (kept, tmp_path / "empty" / "run"):
+        code, _, err = run_cli(monkeypatch, capsys, ["model=tiny-llama", "dry_run=true", f"hydra.run.dir={run_dir}"])
+        assert code == 0, err
+    assert (kept / "cli.log").is_file() and (tmp_path / "empty").is_dir()
+    assert not (tmp_path / "empty" / "run").exists()
+
+
+def test_a_run_keeps_its_folder(fixture_data, tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    code, _, err = run_cli(monkeypatch, capsys, [*tiny_overrides(fixture_data), "train.max_steps=1",
+                                                 f"hydra.run.dir={run_dir}"])
+    assert code == 0, err
+    assert (run_dir / "result.json").is_file()
