@@ -179,3 +179,32 @@ def test_a_run_keeps_its_folder(fixture_data, tmp_path, monkeypatch, capsys):
                                                  f"hydra.run.dir={run_dir}"])
     assert code == 0, err
     assert (run_dir / "result.json").is_file()
+
+
+# --- fewer examples than asked for -------------------------------------------------------------------------------
+
+def test_asking_for_more_examples_than_a_split_has_is_said_and_recorded(fixture_data, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(tracking, "show_progress", lambda: False)
+    overrides = tiny_overrides(fixture_data, "data.num_train=1000", "data.num_dev=500", "train.max_steps=1",
+                               "method=mezo_lora")
+    with caplog.at_level(logging.INFO, logger="adazeta"):
+        record = run(compose_cfg(overrides), tmp_path / "run")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    # The fixture's RTE train split has 120 rows: dev takes half, train the rest.
+    assert ("task rte: 60 dev examples, not the 500 that data.num_dev asks for: the train split has 120 rows and dev "
+            "takes at most half of them") in warnings, warnings
+    assert ("task rte: 60 train examples, not the 1000 that data.num_train asks for: the train split has 120 rows "
+            "and dev takes 60 of them") in warnings, warnings
+    assert (record["num_train"], record["num_dev"]) == (60, 60)
+    assert record["config"]["data"]["num_train"] == 1000  # what was asked stays in the config
+
+
+def test_enough_rows_no_warning(fixture_data, tmp_path, caplog):
+    from adazeta.settings import parse
+    from adazeta.tasks.loaders import load_task
+
+    s = parse(compose_cfg(tiny_overrides(fixture_data)))
+    with caplog.at_level(logging.INFO, logger="adazeta"):
+        data = load_task(s.task, s.data, "causal", 0)
+    assert (len(data.train), len(data.dev)) == (32, 16)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
