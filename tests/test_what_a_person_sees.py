@@ -208,3 +208,123 @@ def test_enough_rows_no_warning(fixture_data, tmp_path, caplog):
         data = load_task(s.task, s.data, "causal", 0)
     assert (len(data.train), len(data.dev)) == (32, 16)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+# --- figures -------------------------------------------------------------------------------------------------------
+
+def _memory_csv(path, methods):
+    import pandas as pd
+
+    pd.DataFrame({"method": methods, "peak_mem_mb": [1000.0 + 50 * i for i in range(len(methods))]}).to_csv(
+        path, index=False)
+    return path
+
+
+def _make_figures(monkeypatch, *args: str) -> None:
+    from adazeta import make_figures
+
+    monkeypatch.setattr(sys, "argv", ["make_figures", *args])
+    make_figures.main()
+
+
+def test_make_figures_rewrites_a_figure_only_when_its_picture_changes(tmp_path, monkeypatch, capsys):
+    memory = _memory_csv(tmp_path / "memory.csv", ["inference", "mezo", "adazeta"])
+    args = ["--results", str(tmp_path / "none"), "--memory", str(memory), "--out", str(tmp_path / "figures")]
+    _make_figures(monkeypatch, *args)
+    figure = tmp_path / "figures" / "memory.png"
+    stamp, data = figure.stat().st_mtime_ns, figure.read_bytes()
+    _make_figures(monkeypatch, *args)
+    assert figure.stat().st_mtime_ns == stamp  # the same results: the (committed) file is left alone
+    assert "unchanged" in capsys.readouterr().out
+    _memory_csv(memory, ["inference", "mezo", "mezo_lora"])
+    _make_figures(monkeypatch, *args)
+    assert figure.read_bytes() != data  # other results: a new picture
+
+
+def test_make_figures_writes_where_nothing_is_committed_unless_told(tmp_path, monkeypatch):
+    from helpers import ROOT
+
+    memory = _memory_csv(tmp_path / "memory.csv", ["inference", "mezo"])
+    monkeypatch.chdir(tmp_path)
+    _make_figures(monkeypatch, "--results", str(tmp_path / "none"), "--memory", str(memory))
+    assert (tmp_path / "outputs" / "figures" / "memory.png").is_file()
+    assert "outputs/" in (ROOT / ".gitignore").read_text().split()
+    assert "FIGURES ?= outputs/figures" in (ROOT / "Makefile").read_text()
+
+
+def test_the_memory_chart_names_do_not_overlap():
+    from adazeta.plots import memory_figure
+    import pandas as pd
+
+    methods = ["inference", "ft", "lora", "mezo", "sparse_mezo", "mezo_lora", "mezo_adapter", "adazeta", "tt_adapter",
+               "zero_shot", "icl", "lp"]
+    fig = memory_figure(pd.DataFrame({"method": methods, "peak_mem_mb": [1000.0] * len(methods)}))
+    renderer = fig.canvas.get_renderer()
+    labels = fig.axes[0].get_xticklabels()
+    assert [t.get_text() for t in labels] == methods
+    flat = [t for t in labels if t.get_rotation() == 0]
+    if flat:  # written flat: their boxes must not touch
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    else:  # slanted alike: neighbours' lines must lie at least a line's height apart
+        import math
+
+        angle = math.radians(labels[0].get_rotation())
+        xs = [t.get_window_extent(renderer).x1 for t in labels]  # right-aligned: each ends at its tick
+        gap = min(b - a for a, b in zip(xs, xs[1:])) * math.sin(angle)
+        height = max(renderer.get_text_width_height_descent(t.get_text(), t.get_fontproperties(), ismath=False)[1]
+                     for t in labels)
+        assert gap >= height, (gap, height)
+
+
+def _run(method, losses, status="finished", seed=0):
+    import pandas as pd
+
+    steps = list(range(0, 10 * len(losses), 10))
+    dev = pd.DataFrame({"step": steps, "loss": losses, "forward_passes": [2 * s for s in steps]})
+    metrics = pd.DataFrame({"step": steps[1:], "forward_passes": [2 * s for s in steps[1:]],
+                            "n_queries": [1] * (len(steps) - 1)})
+    return {"record": {"method": method, "status": status, "seed": seed}, "metrics": metrics, "dev": dev}
+
+
+def test_each_method_keeps_one_colour_of_its_own_in_every_chart():
+    from matplotlib.colors import to_hex
+
+    from adazeta.plots import convergence_figure, method_colors
+
+    methods = ["adazeta", "ft", "lora", "mezo", "mezo_lora", "sparse_mezo", "tt_q1", "ada_official", "zero_shot_cc"]
+    fig = convergence_figure([_run(m, [1.0, 0.9, 0.8]) for m in methods], "t")
+    colours = {line.get_label().split(" (")[0]: to_hex(line.get_color()) for line in fig.axes[0].get_lines()
+               if not line.get_label().startswith("_")}
+    assert sorted(colours) == sorted(methods)
+    assert len(set(colours.values())) == len(methods), colours  # no two methods share a colour
+    other = convergence_figure([_run(m, [1.0, 0.9]) for m in ["mezo_lora", "tt_q1", "ft"]], "t")
+    again = {line.get_label().split(" (")[0]: to_hex(line.get_color()) for line in other.axes[0].get_lines()
+             if not line.get_label().startswith("_")}
+    assert all(again[m] == colours[m] for m in again)  # the same colour in another chart
+    assert len(set(method_colors([f"arm{i}" for i in range(8)]).values())) == 8
+
+
+def test_a_diverged_run_does_not_set_the_loss_scale(monkeypatch, tmp_path):
+    from adazeta import cpu_zo_report
+    from adazeta.plots import convergence_figure
+
+    fig = convergence_figure([_run("mezo_lora", [1.0, 0.8, 0.7]), _run("mezo", [1.0, 0.9, 0.8]),
+                              _run("mezo", [1.0, 4.0, 31.0], "diverged", seed=1)], "t")
+    assert fig.axes[0].get_ylim()[1] < 1.5  # set by the runs that did not diverge, not 0 to 30
+
+    records = {
+        (arm, lr): {"status": status, "curve": [(0, 1.0, 0.5), (100, loss, 0.6), (200, loss2, 0.6)]}
+        for arm, lr, status, loss, loss2 in [("mezo", 1e-5, "finished", 0.8, 0.7), ("mezo", 1e-4, "diverged", 3.8, 31.0),
+                                             ("mezo_lora", 1e-3, "finished", 0.9, 0.6)]
+    }
+    monkeypatch.setattr(cpu_zo_report, "grid", lambda spec: spec["lr"])
+    monkeypatch.setattr(cpu_zo_report, "load", lambda run_dir: records.get((run_dir.parent.name, float(
+        run_dir.name.split(",")[0].split("=")[1]))))
+    arms = {"mezo": {"lr": [1e-5, 1e-4]}, "mezo_lora": {"lr": [1e-3]}}
+    fig = cpu_zo_report.plot_grids("grid", ["mezo", "mezo_lora"], arms, 0, tmp_path / "grid.png")
+    low, high = fig.axes[0].get_ylim()
+    assert high < 1.5 and low < 0.6, (low, high)
+    marks = [line for line in fig.axes[0].get_lines() if line.get_marker() == "^"]
+    assert marks and max(marks[0].get_ydata()) == pytest.approx(high)  # the diverged run, marked at the top
+    assert "31" in " ".join(t.get_text() for t in fig.axes[0].texts)  # with the highest loss it reached
