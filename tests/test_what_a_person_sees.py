@@ -328,3 +328,52 @@ def test_a_diverged_run_does_not_set_the_loss_scale(monkeypatch, tmp_path):
     marks = [line for line in fig.axes[0].get_lines() if line.get_marker() == "^"]
     assert marks and max(marks[0].get_ydata()) == pytest.approx(high)  # the diverged run, marked at the top
     assert "31" in " ".join(t.get_text() for t in fig.axes[0].texts)  # with the highest loss it reached
+
+
+# --- adazeta-run --help --------------------------------------------------------------------------------------------
+
+def test_help_is_a_page_to_read(monkeypatch, capsys):
+    import re
+
+    from helpers import CONF, ROOT
+
+    code, page, err = run_cli(monkeypatch, capsys, ["--help"])
+    assert code == 0, err
+    lines = page.splitlines()
+    assert len(lines) < 120, len(lines)
+    assert lines[0].startswith("adazeta-run: ") and "Usage" in lines
+    assert "experiment_method" not in page and "hub_id: " not in page and "placements:" not in page  # no dump
+    for group in ("model", "task", "method", "schedule", "experiment"):  # each group a user picks, all its options
+        listed = page.split(f"\n  {group:<12}")[1].split("\n  ")[0:3]
+        text = " ".join(listed)
+        assert all(option.stem in text for option in (CONF / group).glob("*.yaml")), group
+    # Every key of the run-level blocks, and every key the README lists, with a line of its own.
+    from helpers import compose_cfg
+
+    cfg = compose_cfg([])
+    keys = [f"{block}.{key}" for block in ("train", "data", "guard", "divergence", "wandb") for key in cfg[block]]
+    readme = (ROOT / "README.md").read_text()
+    documented = re.findall(r"`([a-z_]+(?:\.[a-z_]+)*)`", readme.split("Run-level keys:")[1].split("\n\n")[0])
+    assert "method.adapter.init" in documented and "train.max_steps" in documented
+    missing = [key for key in keys + documented if not re.search(rf"(^|[ ,]){re.escape(key)}( |,|$)", page, re.M)]
+    assert not missing, missing
+    for status in ("0  ", "1  ", "2  ", "128+n"):
+        assert f"\n  {status}" in page.split("== Exit status ==")[1]
+    assert "README.md" in page
+
+
+def test_help_stars_what_the_command_would_use(monkeypatch, capsys):
+    code, page, err = run_cli(monkeypatch, capsys, ["--help", "method=mezo", "task=rte"])
+    assert code == 0, err
+    assert "*mezo," in page and "*rte," in page and "*constant" in page and "*adaptive" not in page
+
+
+def test_help_lists_the_options_of_a_users_config_dir(tmp_path, monkeypatch, capsys):
+    from helpers import ROOT
+
+    (tmp_path / "method").mkdir()
+    (tmp_path / "method" / "mine.yaml").write_text(
+        (ROOT / "conf" / "method" / "mezo.yaml").read_text().replace("name: mezo", "name: mine"))
+    code, page, err = run_cli(monkeypatch, capsys, ["--config-dir", str(tmp_path), "--help"])
+    assert code == 0, err
+    assert " mine" in page.split("\n  method")[1].split("\n  schedule")[0]

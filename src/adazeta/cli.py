@@ -2,7 +2,7 @@
 
     adazeta-run method=adazeta task=rte            # one run
     adazeta-run -m method=adazeta,mezo seed=0,1    # a sweep (Hydra multirun)
-    adazeta-run --help                             # every config group and its options
+    adazeta-run --help                             # one page: usage, groups and options, main keys, exit codes
 
 The command line is checked before Hydra runs it (``adazeta.overrides``): flags and overrides are composed
 first, without torch, so that a mistyped option is reported in a second; a single run's composed config is then
@@ -187,6 +187,13 @@ def main() -> None:
         sys.exit(2 if where[0] == 0 else 0)
     if where is not None and where[0] != 0:
         follow(checked.argv)
+        return
+    if checked.argv[:1] == ["--help"]:  # a page to read (conf/hydra/help/adazeta.yaml), not Hydra's config dump
+        from adazeta.helppage import render
+        from adazeta.overrides import read_flags
+
+        ns, source, _ = read_flags(checked.argv[1:], config_dir())
+        print(render(source, list(ns.overrides)))
         return
     for line in checked.dropped:
         print(f"adazeta-run: error: {line} (left out of the sweep; the other values run)", file=sys.stderr)
