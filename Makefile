@@ -32,7 +32,7 @@ help:
 	@echo "make test-fast  only the fast tests on tiny random models"
 	@echo "make dry-run    parameter counts and memory estimate for Llama-2-7B (no download)"
 	@echo "make tables     results/tables/*.md and *.tex from results/runs (dev-selected, paper numbers beside)"
-	@echo "make figures    results/figures/*.png: convergence curves and memory bars"
+	@echo "make figures    convergence curves and memory bars in $(FIGURES) (FIGURES=results/figures: the committed ones)"
 	@echo "make cpu-convergence  the first, small CPU run: AdaZeta vs MeZO-LoRA vs MeZO, 100 forward passes"
 	@echo "make cpu-zo     the CPU experiment that tests AdaZeta's claims (hours; resumable: finished runs are skipped)"
 	@echo "make cpu-zo-report    its table and figures from whatever has run"
@@ -68,8 +68,12 @@ dry-run: setup
 tables: setup
 	$(BIN)/python -m adazeta.make_tables
 
+# Figures go to outputs/figures, which is not committed: a run records whether its checkout is dirty, and
+# regenerated committed figures would make every later run dirty. FIGURES=results/figures refreshes the committed
+# ones; any figure is rewritten only when its picture changes, so the same results leave them untouched.
+FIGURES ?= outputs/figures
 figures: setup
-	$(BIN)/python -m adazeta.make_figures
+	$(BIN)/python -m adazeta.make_figures --out $(FIGURES)
 
 cpu-convergence: setup
 	$(BIN)/adazeta-run -m experiment=cpu_convergence wandb.mode=offline

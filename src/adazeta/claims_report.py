@@ -336,16 +336,18 @@ def figure(runs: dict[str, dict[int, Run]], arms: list[str], path: Path) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from adazeta.plots import method_colors, save_figure
+
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    colours = plt.get_cmap("tab10")
-    for i, arm in enumerate(arms):
+    colours = method_colors(arms)  # one colour per arm, the same in every chart
+    for arm in arms:
         for j, run in enumerate(sorted(runs.get(arm, {}).values(), key=lambda r: r.seed)):
             xs = [p.forwards for p in run.curve]
             ws = [p.wall_s / 60 for p in run.curve]
             ys = [p.loss for p in run.curve]
             label = arm if j == 0 else None
-            axes[0].plot(xs, ys, color=colours(i), alpha=0.8, lw=1.2, label=label)
-            axes[1].plot(ws, ys, color=colours(i), alpha=0.8, lw=1.2, label=label)
+            axes[0].plot(xs, ys, color=colours[arm], alpha=0.8, lw=1.2, label=label)
+            axes[1].plot(ws, ys, color=colours[arm], alpha=0.8, lw=1.2, label=label)
     axes[0].set_xlabel("forward passes")
     axes[1].set_xlabel("training minutes (evaluations excluded)")
     axes[0].set_ylabel("dev loss (one line per seed)")
@@ -353,8 +355,7 @@ def figure(runs: dict[str, dict[int, Run]], arms: list[str], path: Path) -> None
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 

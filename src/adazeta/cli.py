@@ -2,7 +2,7 @@
 
     adazeta-run method=adazeta task=rte            # one run
     adazeta-run -m method=adazeta,mezo seed=0,1    # a sweep (Hydra multirun)
-    adazeta-run --help                             # every config group and its options
+    adazeta-run --help                             # one page: usage, groups and options, main keys, exit codes
 
 The command line is checked before Hydra runs it (``adazeta.overrides``): flags and overrides are composed
 first, without torch, so that a mistyped option is reported in a second; a single run's composed config is then
@@ -30,6 +30,7 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
@@ -88,6 +89,53 @@ def _main(cfg: DictConfig) -> float | None:
     return main_score(record, "dev")  # what a Hydra sweeper would optimise: dev accuracy, or F1
 
 
+class NewRunDir(Callback):
+    """Notes, before Hydra makes a single run's directory, what it already holds (``hydra.callbacks`` in
+    conf/config.yaml): a dry run, or a run refused at its start, then leaves no folder holding an empty log."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        global _run_dir_before
+        try:
+            path = Path(str(config.hydra.run.dir)).absolute()
+        except Exception:  # a directory only Hydra can resolve: nothing is removed afterwards
+            return
+        existing = next((p for p in [path, *path.parents] if p.exists()), path.anchor)
+        _run_dir_before = (path, set(os.listdir(path)) if path.is_dir() else None, Path(existing))
+
+
+# The run directory, its entries before Hydra made it (None: it was absent) and its nearest folder that existed.
+_run_dir_before: tuple[Path, set[str] | None, Path] | None = None
+
+
+def remove_unused_run_dir() -> None:
+    """Remove what Hydra created for a single run that wrote nothing: its empty log file, and the directory (and
+    its parents) when this command created them and they hold nothing else. Anything that was there before, or
+    that the run wrote, stays."""
+    global _run_dir_before
+    if _run_dir_before is None:
+        return
+    path, before, existed = _run_dir_before
+    _run_dir_before = None
+    if not path.is_dir():
+        return
+    entries = set(os.listdir(path)) - (before or set())
+    if not all(name.endswith(".log") and (path / name).is_file() and (path / name).stat().st_size == 0
+               for name in entries):
+        return  # the run wrote something: keep it all
+    for handler in list(logging.getLogger().handlers):  # Hydra's file handler on the log about to go
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == path:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+    for name in entries:
+        (path / name).unlink(missing_ok=True)
+    if before is not None:
+        return  # the directory was there before this command
+    folder = path
+    while folder != existed and existed in folder.parents and not os.listdir(folder):
+        folder.rmdir()  # made by this command (below the nearest folder that existed) and empty
+        folder = folder.parent
+
+
 FAILURES = "failed_points.txt"  # in a sweep's directory: one line per point that did not run to a result
 
 
@@ -140,13 +188,23 @@ def main() -> None:
     if where is not None and where[0] != 0:
         follow(checked.argv)
         return
+    if checked.argv[:1] == ["--help"]:  # a page to read (conf/hydra/help/adazeta.yaml), not Hydra's config dump
+        from adazeta.helppage import render
+        from adazeta.overrides import read_flags
+
+        ns, source, _ = read_flags(checked.argv[1:], config_dir())
+        print(render(source, list(ns.overrides)))
+        return
     for line in checked.dropped:
         print(f"adazeta-run: error: {line} (left out of the sweep; the other values run)", file=sys.stderr)
     report = checked.sweep_dir / FAILURES if checked.sweep_dir else None
     if report is not None:
         report.unlink(missing_ok=True)  # an earlier sweep's report: this sweep writes its own
     sys.argv = [sys.argv[0], *checked.argv]
-    _main()
+    try:
+        _main()
+    finally:
+        remove_unused_run_dir()  # a dry run, or a run refused at its start: no folder with an empty log
     failed = report.read_text(encoding="utf-8").splitlines() if report is not None and report.is_file() else []
     if checked.dropped or failed:
         print(f"adazeta-run: {len(checked.dropped) + len(failed)} sweep point(s) did not run to a result:",
@@ -157,4 +215,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from adazeta import cli  # `python -m adazeta.cli`: one module, whose state Hydra's callback (NewRunDir) shares
+
+    cli.main()

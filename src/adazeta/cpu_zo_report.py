@@ -228,35 +228,46 @@ def limits(config: dict, records: list[dict]) -> list[str]:
     return out or ["- Nothing recorded limits these comparisons."]
 
 
-def plot_grids(name, order, arms, seed, path: Path) -> None:
-    """Every grid point at the selection seed: dev loss and accuracy against forward passes, one column per arm."""
+def plot_grids(name, order, arms, seed, path: Path):
+    """Every grid point at the selection seed: dev loss and accuracy against forward passes, one column per arm.
+
+    The loss row's scale is set by the runs that did not diverge: a diverged run (MeZO at lr 1e-4: dev loss 31)
+    is cut at the top, marked ^ with the highest loss it reached, instead of flattening every other curve."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from adazeta.plots import loss_limits, plot_clipped, save_figure
+
     shown = [a for a in order if any(load(Job(a, lr, seed, name, []).run_dir) for lr in grid(arms[a]))]
     if not shown:
-        return
+        return None
+    points = {arm: [(lr, rec) for lr in grid(arms[arm])
+                    if (rec := load(Job(arm, lr, seed, name, []).run_dir)) is not None and rec["curve"]]
+              for arm in shown}
+    curves = [(rec["status"] == "diverged", [c[1] for c in rec["curve"]]) for ps in points.values() for _, rec in ps]
+    limits = None
+    if any(diverged for diverged, _ in curves):
+        limits = loss_limits([c for diverged, c in curves if not diverged], [c for diverged, c in curves if diverged])
     fig, axes = plt.subplots(2, len(shown), figsize=(3.2 * len(shown), 5.5), squeeze=False, sharey="row")
     for col, arm in enumerate(shown):
-        for lr in grid(arms[arm]):
-            rec = load(Job(arm, lr, seed, name, []).run_dir)
-            if rec is None or not rec["curve"]:
-                continue
+        for lr, rec in points[arm]:
             xs, losses, accs = zip(*rec["curve"])
-            label = ("—" if lr is None else f"lr {lr:g}") + ("" if rec["status"] == "finished" else " (diverged)")
-            axes[0][col].plot(xs, losses, label=label)
-            axes[1][col].plot(xs, accs, label=label)
+            label = ("—" if lr is None else f"lr {lr:g}") + ("" if rec["status"] == "finished" else f" ({rec['status']})")
+            line = plot_clipped(axes[0][col], xs, losses, limits[1] if limits else None, label=label)
+            axes[1][col].plot(xs, accs, label=label, color=line.get_color())
         axes[0][col].set_title(arm, fontsize=9)
         axes[0][col].legend(fontsize=7)
         axes[1][col].set_xlabel("forward passes")
-    axes[0][0].set_ylabel("dev loss")
+    if limits is not None:
+        axes[0][0].set_ylim(*limits)
+    axes[0][0].set_ylabel("dev loss" + (" (^: diverged, cut)" if limits is not None else ""))
     axes[1][0].set_ylabel("dev accuracy")
     fig.suptitle(f"{name}: learning-rate grids at seed {seed}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    print(f"{'wrote' if save_figure(fig, path, dpi=110) else 'unchanged'} {path}")
+    return fig
 
 
 def plot(name, order, runs, arms, zero_test, path: Path, target: float) -> None:
@@ -265,13 +276,16 @@ def plot(name, order, runs, arms, zero_test, path: Path, target: float) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from adazeta.plots import method_colors, save_figure
+
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    colors = method_colors(order)  # one colour per arm, the same in every chart
     for arm in order:
         rs = [r for r in runs.get(arm, []) if r["curve"] and r.get("steps")]
         if not rs:
             continue
         label = arm + (" (x: steps, forward + backward)" if arms[arm].get("first_order") else "")
-        color = None
+        color = colors[arm]
         for i, r in enumerate(rs):
             xs, losses, accs = zip(*r["curve"])
             style = dict(lw=1.6 if i == 0 else 0.7, alpha=1.0 if i == 0 else 0.5, label=label if i == 0 else None)
@@ -286,9 +300,7 @@ def plot(name, order, runs, arms, zero_test, path: Path, target: float) -> None:
     for ax in axes:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    print(f"{'wrote' if save_figure(fig, path) else 'unchanged'} {path}")
 
 
 if __name__ == "__main__":

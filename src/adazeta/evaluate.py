@@ -94,7 +94,7 @@ def evaluate(
     """
     from tqdm.auto import tqdm
 
-    from adazeta.tracking import show_progress
+    from adazeta.tracking import EvalProgress, show_progress
 
     model, objective = scorer.model, scorer.objective.kind
     was_training = model.training
@@ -102,8 +102,13 @@ def evaluate(
     loss_sum = correct = tied = multi = weight_sum = None
     n = 0
     kept: list[tuple[Batch, torch.Tensor]] = []
-    shown = desc is not None and show_progress() and len(batches) > 1
-    for batch in tqdm(batches, desc=desc, leave=False, dynamic_ncols=True, disable=not shown):
+    bars = desc is not None and show_progress()
+    shown = bars and len(batches) > 1
+    # Without a bar (a log file, CI, a sweep), log lines: when it starts, every 30 s, when it ends.
+    lines = None
+    if desc is not None and not bars and len(batches):
+        lines = EvalProgress(desc, sum(b.num_examples for b in batches), len(batches))
+    for done, batch in enumerate(tqdm(batches, desc=desc, leave=False, dynamic_ncols=True, disable=not shown), 1):
         scores = scorer.scores(batch)
         lengths = gold_lengths(batch) if scorer.objective.token_weighted and objective != "classification" else None
         loss = objective_loss(scores, batch.gold, objective, reduction="sum", lengths=lengths)
@@ -118,10 +123,15 @@ def evaluate(
         n += batch.num_examples
         if keep:
             kept.append((batch, scores.detach()))
+        if lines is not None:
+            lines.batch(done, n)
     metrics = {}
     predictions = None
     if generation is not None:
         from adazeta.generation import generation_rows
+
+        if lines is not None:
+            lines.generating()
 
         texts, f1s, ems = generation_rows(model, generation)
         metrics = {"f1": sum(f1s) / len(f1s), "em": sum(ems) / len(ems)} if texts else {"f1": float("nan"), "em": float("nan")}
@@ -136,6 +146,8 @@ def evaluate(
     score = metrics["f1"] if generation is not None else float(correct) / n  # the one sync point
     tied_fraction = float(tied) / float(multi) if float(multi) else 0.0
     mean_loss = float(loss_sum) / (float(weight_sum) if weight_sum is not None else n)  # per token, or per example
+    if lines is not None:
+        lines.done(mean_loss, score, metric)
     return EvalResult(mean_loss, score, n, metrics, tied_fraction, metric, predictions)
 
 

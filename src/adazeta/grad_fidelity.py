@@ -114,10 +114,14 @@ def report() -> None:
                          f"{r.cos:.4f}{std} | {r.expected:.4f} | {r.rel:.1f} | {r.fd:.3f} | {r.dec:+.4f}{dstd} | "
                          f"{r.per_fwd:+.5f} |")
     (OUT / "fidelity.md").write_text("\n".join(lines) + "\n")
+    from adazeta.plots import method_colors, save_figure
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    colors = method_colors(order)  # one colour per method, the same in every chart
     for m in order:
         a = agg[agg.method == m].sort_values("queries")
-        line, = axes[0].plot(a.queries, a.cos, marker="o", label=f"{m} (d={int(a.trainable.iloc[0]):,})")
+        line, = axes[0].plot(a.queries, a.cos, marker="o", label=f"{m} (d={int(a.trainable.iloc[0]):,})",
+                             color=colors[m])
         axes[0].plot(a.queries, a.expected, ls="--", color=line.get_color(), alpha=0.6)
         axes[1].plot(a.queries, a.per_fwd, marker="o", color=line.get_color(), label=m)
     axes[0].set(xscale="log", yscale="log", xlabel="queries Q", ylabel="cos(ZO estimate, gradient)",
@@ -129,8 +133,7 @@ def report() -> None:
         ax.set_xticks([1, 2, 4, 8, 16, 32, 64], labels=["1", "2", "4", "8", "16", "32", "64"])
         ax.legend(fontsize=7)
     fig.tight_layout()
-    FIGURE.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(FIGURE, dpi=120)
+    save_figure(fig, FIGURE)
     print(f"wrote {OUT / 'fidelity.md'} and {FIGURE}")
 
 

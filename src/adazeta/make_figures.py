@@ -1,9 +1,12 @@
-"""Write results/figures/*.png: convergence per experiment and task, memory bars, and (optionally) one run.
+"""Write figures: convergence per experiment and task, memory bars, and (optionally) one run.
 
-    python -m adazeta.make_figures [--results results/runs] [--out results/figures] [--x forward_passes|step]
+    python -m adazeta.make_figures [--results results/runs] [--out outputs/figures] [--x forward_passes|step]
+    python -m adazeta.make_figures --out results/figures          # refresh the committed figures
     python -m adazeta.make_figures --run outputs/sst2/adazeta/.../   # the curves of a single run
 
-Paths are relative to the current directory.
+They go to outputs/figures (not committed) unless --out says otherwise, and a figure is rewritten only when its
+picture changes: regenerating the committed results/figures from the same results leaves the checkout clean (a
+run records its checkout's `dirty` flag). Paths are relative to the current directory.
 """
 
 from __future__ import annotations
@@ -15,24 +18,28 @@ from pathlib import Path
 
 import pandas as pd
 
-from adazeta.plots import convergence_figure, memory_figure, read_run, run_figure
+from adazeta.plots import convergence_figure, memory_figure, plt, read_run, run_figure, save_figure
 from adazeta.tables import load_results, select_on_dev, setting_id, setting_of
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=Path("results", "runs"))
-    parser.add_argument("--out", type=Path, default=Path("results", "figures"))
+    parser.add_argument("--out", type=Path, default=Path("outputs", "figures"),
+                        help="where the figures go (results/figures: the committed ones; a PNG is rewritten only "
+                             "when its picture changes)")
     parser.add_argument("--x", choices=["forward_passes", "step"], default="forward_passes")
     parser.add_argument("--memory", type=Path, default=Path("results", "bench", "memory.csv"))
     parser.add_argument("--run", type=Path, help="plot one run directory instead")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
+    def write(fig, out: Path) -> None:
+        print(f"{'wrote' if save_figure(fig, out) else 'unchanged'} {out}")
+        plt.close(fig)
+
     if args.run:
-        out = args.out / f"run_{args.run.resolve().name}.png"
-        run_figure(args.run, out)
-        print(out)
+        write(run_figure(args.run), args.out / f"run_{args.run.resolve().name}.png")
         return
 
     # Only each method's dev-selected hyper-parameter setting is drawn (as in the tables).
@@ -49,15 +56,12 @@ def main() -> None:
         if (*key, record["method"], setting) in chosen and (path.parent / "metrics.csv").is_file():
             groups[key].append(read_run(path.parent))
     for (experiment, model, task), runs in sorted(groups.items()):
-        out = args.out / f"{experiment}_{model}_{task}.png"
-        convergence_figure(runs, f"{experiment}: {model} on {task}", args.x, out)
-        print(out)
+        write(convergence_figure(runs, f"{experiment}: {model} on {task}", args.x),
+              args.out / f"{experiment}_{model}_{task}.png")
     if args.memory.is_file():
         table = pd.read_csv(args.memory)
         if {"method", "peak_mem_mb"} <= set(table.columns):
-            out = args.out / "memory.png"
-            memory_figure(table, out)
-            print(out)
+            write(memory_figure(table), args.out / "memory.png")
 
 
 if __name__ == "__main__":

@@ -120,27 +120,41 @@ def resolve_source(cfg: ModelConfig) -> ModelSource:
         return source
     model_dir = cfg.model_dir or os.environ.get(MODEL_DIR_ENV)
     if model_dir:
-        if not cfg.local_name:
-            raise ConfigError(
-                f"model {cfg.name!r} has no `local_name`, so it cannot be read from the local model directory "
-                f"{model_dir}; unset {MODEL_DIR_ENV} (and model.model_dir) to download {cfg.hub_id} from the Hub"
-            )
-        folder = Path(model_dir).expanduser() / cfg.local_name
-        # A local copy is either the GGUF file named in the model config or a save_pretrained folder.
-        if cfg.gguf_file and (folder / cfg.gguf_file).is_file():
-            check_gguf(folder / cfg.gguf_file)
-            return ModelSource("local", str(folder), cfg.gguf_file)
-        if (folder / "config.json").is_file():
-            check_pretrained_folder(folder)
-            return ModelSource("local", str(folder))
-        wanted = folder / cfg.gguf_file if cfg.gguf_file else folder / "config.json"
-        raise ConfigError(
-            f"model file not found: {wanted}; put the model there (a save_pretrained folder also works) or point "
-            f"{MODEL_DIR_ENV} (or model.model_dir) at the folder that holds {cfg.local_name}/"
-        )
+        source = model_dir_source(cfg, model_dir)
+        if source.gguf_file:
+            check_gguf(Path(source.path) / source.gguf_file)
+        else:
+            check_pretrained_folder(Path(source.path))
+        return source
     if not cfg.hub_id:
         raise ConfigError(f"model {cfg.name!r} has no hub_id; set {MODEL_DIR_ENV} to a folder holding {cfg.local_name}/")
     return ModelSource("hub", cfg.hub_id)
+
+
+def model_dir_source(cfg: ModelConfig, model_dir: str) -> ModelSource:
+    """The model's copy in the local model directory (``model.model_dir`` or $ADAZETA_MODEL_DIR): the GGUF file the
+    model config names, or a save_pretrained folder, under ``local_name``. A set directory means offline: a model it
+    lacks fails here, in one line, and is never looked for on the Hub. Checks only that the files exist."""
+    if not cfg.local_name:
+        name = (cfg.hub_id or cfg.name).rstrip("/").split("/")[-1]
+        raise ConfigError(
+            f"model {cfg.hub_id or cfg.name} is not in the local model directory {model_dir} ({MODEL_DIR_ENV} or "
+            f"model.model_dir; the Hub is not used while it is set) and model.local_name is unset; save the model to "
+            f"{Path(model_dir).expanduser() / name} and set model.local_name={name} (or model.path=<its folder>), or "
+            f"unset {MODEL_DIR_ENV} to download it"
+        )
+    folder = Path(model_dir).expanduser() / cfg.local_name
+    # A local copy is either the GGUF file named in the model config or a save_pretrained folder.
+    if cfg.gguf_file and (folder / cfg.gguf_file).is_file():
+        return ModelSource("local", str(folder), cfg.gguf_file)
+    if (folder / "config.json").is_file():
+        return ModelSource("local", str(folder))
+    wanted = folder / cfg.gguf_file if cfg.gguf_file else folder / "config.json"
+    hub = f", or unset it to download {cfg.hub_id} from the Hub" if cfg.hub_id else ""
+    raise ConfigError(
+        f"model file not found: {wanted}; put the model there (a save_pretrained folder also works) or point "
+        f"{MODEL_DIR_ENV} (or model.model_dir) at the folder that holds {cfg.local_name}/{hub}"
+    )
 
 
 def path_source(path: str, gguf_file: str | None = None) -> ModelSource:
@@ -280,10 +294,8 @@ def source_config(cfg: ModelConfig) -> Any:
     model_dir = cfg.model_dir or os.environ.get(MODEL_DIR_ENV)
     if cfg.path:
         source = path_source(cfg.path, cfg.gguf_file)
-    elif model_dir and cfg.local_name:
-        folder = Path(model_dir).expanduser() / cfg.local_name
-        gguf = cfg.gguf_file if cfg.gguf_file and (folder / cfg.gguf_file).is_file() else None
-        source = ModelSource("local", str(folder), gguf)
+    elif model_dir:  # offline: the model's local copy, or one line; never the Hub
+        source = model_dir_source(cfg, model_dir)
     else:
         source = ModelSource("hub", cfg.hub_id)
     try:

@@ -426,7 +426,7 @@ def check(argv: list[str], config_dir: str) -> Checked:
     if ns.hydra_help:
         return Checked(["--hydra-help"])  # Hydra's own help: overrides would only make it fail
     if ns.help:
-        return Checked(["--help", *_flags(ns), *ns.overrides])  # the help shows the config these overrides compose
+        return Checked(["--help", *_flags(ns), *ns.overrides])  # the help stars the options these overrides choose
     flags = _flags(ns)
     overrides = list(ns.overrides)
     if not overrides:

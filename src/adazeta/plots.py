@@ -5,8 +5,13 @@ Reads the CSV files every run writes (metrics.csv, eval.csv) next to its result.
 
 from __future__ import annotations
 
+import io
 import json
+import math
+import os
+import zlib
 from pathlib import Path
+from typing import Iterable, Sequence
 
 import matplotlib
 
@@ -15,7 +20,96 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-COLORS = {"adazeta": "tab:red", "mezo_lora": "tab:blue", "mezo": "tab:green", "sparse_mezo": "tab:purple"}
+# One colour per method, the same in every chart (conf/method/ and the memory bench's `inference`).
+COLORS = {
+    "adazeta": "tab:red", "mezo_lora": "tab:blue", "mezo": "tab:green", "sparse_mezo": "tab:purple",
+    "ft": "tab:brown", "lora": "tab:orange", "adapter": "tab:pink", "tt_adapter": "tab:olive",
+    "mezo_adapter": "tab:cyan", "zero_shot": "tab:gray", "icl": "teal", "lp": "goldenrod", "inference": "black",
+}
+# Other names (an experiment's arms: tt_q1, ada_official, ...) draw from these, each at a place fixed by its name.
+OTHER_COLORS = ("#800000", "#000075", "#f032e6", "#9a6324", "#42d4f4", "#9acd32", "#911eb4", "#e6c700", "#4363d8",
+                "#fa8072", "#2f4f4f")  # hues apart from COLORS
+
+
+def method_colors(names: Iterable[str]) -> dict[str, str]:
+    """A colour for each name, distinct within one chart: a method's own (COLORS) in every chart; another name
+    takes its place in OTHER_COLORS by a hash of the name (the same in every chart), or the next free one."""
+    names = list(dict.fromkeys(names))
+    out = {n: COLORS[n] for n in names if n in COLORS}
+    used = set(out.values())
+    for name in names:
+        if name in out:
+            continue
+        start = zlib.crc32(name.encode()) % len(OTHER_COLORS)
+        free = [OTHER_COLORS[(start + i) % len(OTHER_COLORS)] for i in range(len(OTHER_COLORS))]
+        out[name] = next((c for c in free if c not in used), free[0])  # more names than colours: reuse
+        used.add(out[name])
+    return out
+
+
+def loss_limits(kept: Iterable[Sequence[float]], others: Iterable[Sequence[float]] = (),
+                margin: float = 0.08) -> tuple[float, float] | None:
+    """The y range of loss curves: its top set by the runs that did not diverge (``kept``: a diverged run's climb,
+    1 -> 30, would flatten every other curve), its bottom by every run (``others`` too), with a margin; None when
+    no run that did not diverge has a finite value."""
+    def finite(curves: Iterable[Sequence[float]]) -> list[float]:
+        return [float(v) for curve in curves for v in curve if math.isfinite(float(v))]
+
+    top_values = finite(kept)
+    if not top_values:
+        return None
+    values = top_values + finite(others)
+    lo, hi = min(values), max(top_values)
+    pad = (hi - lo) * margin or abs(hi) * margin or 1.0
+    return lo - pad, hi + pad
+
+
+def plot_clipped(ax: plt.Axes, xs: Sequence[float], ys: Sequence[float], top: float | None, **style) -> plt.Line2D:
+    """A curve cut at ``top``: where it climbs above, a ^ at the chart's top edge and the highest value it reached."""
+    xs, ys = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    if top is None:
+        return ax.plot(xs, ys, **style)[0]
+    above = ~(ys <= top)  # NaN and infinity count as above
+    (line,) = ax.plot(xs, np.where(above, np.nan, ys), **style)
+    if above.any():
+        first = int(np.argmax(above))
+        if first > 0:  # the climb up to the edge
+            ax.plot(xs[first - 1 : first + 1], [ys[first - 1], top], color=line.get_color(), lw=line.get_linewidth(),
+                    alpha=line.get_alpha())
+        ax.plot(xs[above], np.full(int(above.sum()), top), "^", color=line.get_color(), markersize=5, clip_on=False)
+        peak = np.nanmax(np.where(np.isfinite(ys), ys, np.nan)) if np.isfinite(ys).any() else float("inf")
+        ax.annotate(f"{peak:.3g}", (xs[first], top), xytext=(2, -9), textcoords="offset points", fontsize=7,
+                    color=line.get_color())
+    return line
+
+
+def save_figure(fig: plt.Figure, path: Path, dpi: int = 120) -> bool:
+    """Write ``fig`` as a PNG only when its picture differs from the file already there (else leave the file, so
+    that a committed figure regenerated from the same results leaves the checkout clean); True when written."""
+    path = Path(path)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    data = buffer.getvalue()
+    if path.is_file() and same_picture(path.read_bytes(), data):
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return True
+
+
+def same_picture(a: bytes, b: bytes) -> bool:
+    """Whether two PNGs show the same pixels (their bytes may differ in metadata)."""
+    if a == b:
+        return True
+    import matplotlib.image as mpimg
+
+    try:
+        pa, pb = mpimg.imread(io.BytesIO(a), format="png"), mpimg.imread(io.BytesIO(b), format="png")
+    except Exception:  # not a PNG we can read: rewrite it
+        return False
+    return pa.shape == pb.shape and bool(np.array_equal(pa, pb))
 
 
 def read_run(run_dir: Path) -> dict:
@@ -47,33 +141,45 @@ def convergence_figure(runs: list[dict], task: str, x: str = "forward_passes", o
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     ax_q = ax.twinx()
     methods = sorted({r["record"]["method"] for r in runs})
+    colors = method_colors(methods)
+    diverged = {id(r) for r in runs if r["record"].get("status") == "diverged" and len(r["dev"])}
+    # The loss axis is set by the runs that did not diverge; a diverged run's climb is cut at its top, marked ^.
+    limits = None
+    if diverged:
+        limits = loss_limits((r["dev"]["loss"] for r in runs if id(r) not in diverged and len(r["dev"])),
+                             (r["dev"]["loss"] for r in runs if id(r) in diverged))
+    top = limits[1] if limits else None
     for method in methods:
         mine = [r for r in runs if r["record"]["method"] == method]
-        color = COLORS.get(method)
+        color = colors[method]
         curves = [r["dev"] for r in mine if len(r["dev"])]
         if not curves:
             continue
         grid = np.linspace(0, max(c[x].max() for c in curves), 100)
         mean, std = _band(curves, x, grid)
-        (line,) = ax.plot(grid, mean, label=f"{method} (n={len(curves)})", color=color)
+        line = plot_clipped(ax, grid, mean, top, label=f"{method} (n={len(curves)})", color=color)
         ax.fill_between(grid, mean - std, mean + std, alpha=0.2, color=line.get_color())
         for r in mine:
-            if r["record"].get("status") == "diverged" and len(r["dev"]):
+            if id(r) in diverged:
                 last = r["dev"].iloc[-1]
-                ax.plot(last[x], last["loss"], "x", color=line.get_color(), markersize=9)
+                ax.plot(last[x], min(last["loss"], top) if top is not None else last["loss"], "x",
+                        color=line.get_color(), markersize=9, clip_on=False)
         queries = mine[0]["metrics"]
         if len(queries) and queries["n_queries"].max() > 1:
             qx = queries["forward_passes"] if x == "forward_passes" else queries["step"]
             ax_q.step(qx, queries["n_queries"], where="post", linestyle=":", color=line.get_color(), alpha=0.8)
     ax.set_xlabel("forward passes" if x == "forward_passes" else "step")
     ax.set_ylabel("dev loss")
+    if limits is not None:
+        ax.set_ylim(*limits)
     ax_q.set_ylabel("queries per step Q (dotted)")
     ax_q.set_ylim(bottom=0)
-    ax.set_title(f"{task}\ndev loss, mean ± std over seeds (x = diverged run)", fontsize=10)
+    cut = "; ^ = cut at the top" if limits is not None else ""
+    ax.set_title(f"{task}\ndev loss, mean ± std over seeds (x = diverged run{cut})", fontsize=10)
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     if out is not None:
-        fig.savefig(out, dpi=120)
+        save_figure(fig, out)
     return fig
 
 
@@ -98,19 +204,22 @@ def run_figure(run_dir: Path, out: Path | None = None) -> plt.Figure:
     ax.legend(fontsize=8)
     fig.tight_layout()
     if out is not None:
-        fig.savefig(out, dpi=120)
+        save_figure(fig, out)
     return fig
 
 
 def memory_figure(table: pd.DataFrame, out: Path | None = None) -> plt.Figure:
     """Bars of peak memory per method (``table`` has columns method and peak_mem_mb)."""
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    ax.bar(table["method"], table["peak_mem_mb"] / 1024, color=[COLORS.get(m, "tab:gray") for m in table["method"]])
+    colors = method_colors(table["method"])
+    ax.bar(table["method"], table["peak_mem_mb"] / 1024, color=[colors[m] for m in table["method"]])
     for i, v in enumerate(table["peak_mem_mb"] / 1024):
         ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    # Slanted names: eight or more methods side by side overlap when written flat.
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right", rotation_mode="anchor")
     ax.set_ylabel("peak memory (GiB)")
     ax.set_title("Peak memory per method")
     fig.tight_layout()
     if out is not None:
-        fig.savefig(out, dpi=120)
+        save_figure(fig, out)
     return fig

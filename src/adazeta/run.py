@@ -423,6 +423,17 @@ def execute(
     return record.as_dict()
 
 
+def summary_line(outcome: Any, metric: str, select_on: str, run_dir: Path) -> str:
+    """The run's last log line: how it ended, which dev evaluation was kept and on what, dev loss and score from the
+    first evaluation to the kept one (the loss chooses the kept state by default: it can fall while the score stays),
+    and the test score of that state."""
+    chosen = "dev loss" if select_on == "loss" else f"dev {metric}"
+    dev_first, dev_best = outcome.initial_dev, outcome.best_dev
+    return (f"{outcome.status} after {outcome.steps} steps (best dev step {outcome.best_step}, chosen on {chosen}): "
+            f"dev loss {dev_first.loss:.4f} -> {dev_best.loss:.4f}, dev {metric} {dev_first.score:.4f} -> "
+            f"{dev_best.score:.4f}, test {metric} {outcome.test.score:.4f}; results in {run_dir}")
+
+
 def save_predictions(run_dir: Path, outcome: Any, data: TaskData) -> None:
     """predictions/dev.csv (the best-dev state's) and test.csv, each row named by its source row, for paired
     comparisons between runs on the same examples (adazeta.stats)."""
@@ -545,9 +556,5 @@ def _execute(
     if d.is_main:
         save_predictions(run_dir, outcome, data)
         save_trained(run_dir, model, s, record, outcome)
-    log.info(
-        "%s after %d steps (best dev step %d): dev %s %.4f -> %.4f, test %s %.4f; results in %s",
-        outcome.status, outcome.steps, outcome.best_step, s.task.metric, outcome.initial_dev.score,
-        outcome.best_dev.score, s.task.metric, outcome.test.score, run_dir,
-    )
+    log.info(summary_line(outcome, s.task.metric, s.train.select_on, run_dir))
     return tracker

@@ -197,30 +197,38 @@ def _duration(seconds: float) -> str:
 
 
 class Progress:
-    """The training loop's progress: step, loss, Q, forward passes, dev accuracy at the last evaluation, ETA.
+    """The training loop's progress: step, loss, Q, forward passes, dev loss and score at the last evaluation, the
+    best state's step (and what chose it: ``select_on``), ETA.
 
     A tqdm bar on a terminal; otherwise one log line every ``every_s`` seconds (and at the last step), so that
     a log file or a sweep's output shows the run moving without a bar's carriage returns.
     """
 
     def __init__(self, total: int, initial: int = 0, every_s: float = 30.0, desc: str = "train",
-                 budget: int | None = None, initial_forwards: int = 0):
+                 budget: int | None = None, initial_forwards: int = 0, select_on: str = "loss"):
         from tqdm.auto import tqdm
 
         # ``total``: the step limit; ``budget``: the forward-pass budget, when one ends the run (the bar and the ETA
         # then follow forward passes: a run whose Q grows spends them faster than it takes steps).
-        self.total, self.initial, self.every_s = total, initial, every_s
+        self.total, self.initial, self.every_s, self.select_on = total, initial, every_s, select_on
         self.budget, self.initial_forwards, self.forwards = budget, initial_forwards, initial_forwards
         bar_total, bar_initial = (budget, initial_forwards) if budget is not None else (total, initial)
         self.bar = (tqdm(total=bar_total, initial=bar_initial, desc=desc, dynamic_ncols=True,
                          unit="fwd" if budget is not None else "it")
                     if show_progress() else None)
         self.dev: tuple[int, float, str] | None = None
+        self.dev_loss: float | None = None
+        self.best_step: int | None = None
+        self.last: tuple[int, float, int, int] | None = None  # the last step's (step, loss, Q, forward passes)
         self.started = self.last_line = time.monotonic()
 
-    def evaluated(self, step: int, score: float, metric: str = "accuracy") -> None:
-        """The last dev evaluation: its step and score (accuracy, or F1 for generation tasks)."""
-        self.dev = (step, score, metric)
+    def evaluated(self, step: int, score: float, metric: str = "accuracy", loss: float | None = None,
+                  best_step: int | None = None) -> None:
+        """The last dev evaluation: its step, score (accuracy, or F1 for generation tasks) and loss, and the step
+        of the state kept so far. A bar shows it at once, not one step later."""
+        self.dev, self.dev_loss, self.best_step = (step, score, metric), loss, best_step
+        if self.bar is not None and self.last is not None:
+            self.bar.set_postfix(self._postfix(self.fields(*self.last)), refresh=True)
 
     def eta(self, step: int, forward_passes: int) -> float:
         """Seconds left at the rate so far: to the step limit, or to the forward budget if that comes first."""
@@ -237,16 +245,28 @@ class Progress:
         fwd = str(forward_passes) if self.budget is None else f"{forward_passes}/{self.budget}"
         out = {"loss": f"{loss:.4f}", "Q": str(n_queries), "fwd": fwd}
         if self.dev is not None:
-            out["dev_acc" if self.dev[2] == "accuracy" else f"dev_{self.dev[2]}"] = f"{self.dev[1]:.3f}@{self.dev[0]}"
+            at, score, metric = self.dev
+            short = "acc" if metric == "accuracy" else metric
+            if self.dev_loss is not None:
+                out["dev_loss"] = f"{self.dev_loss:.4f}"
+            out[f"dev_{short}"] = f"{score:.3f}@{at}"
+            if self.best_step is not None:  # the state the test will use, and the dev number that chose it
+                out["best"] = f"{'loss' if self.select_on == 'loss' else short}@{self.best_step}"
         out["eta"] = _duration(eta) if eta == eta else "?"
         return out
 
+    @staticmethod
+    def _postfix(values: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in values.items() if k != "eta"}  # tqdm shows its own ETA
+
     def step(self, step: int, loss: float, n_queries: int, forward_passes: int) -> None:
+        self.last = (step, loss, n_queries, forward_passes)
         values = self.fields(step, loss, n_queries, forward_passes)
         if self.bar is not None:
+            # The fields first: ``update`` redraws the line, and fields set after it would show one step late.
+            self.bar.set_postfix(self._postfix(values), refresh=False)
             self.bar.update(forward_passes - self.forwards if self.budget is not None else 1)
             self.forwards = forward_passes
-            self.bar.set_postfix({k: v for k, v in values.items() if k != "eta"}, refresh=False)
             return
         self.forwards = forward_passes
         now = time.monotonic()
@@ -259,6 +279,46 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _elapsed(seconds: float) -> str:
+    """A short duration for a log line: 0.4s, 12.3s, 2m31s, 1h05m."""
+    return f"{seconds:.1f}s" if seconds < 60 else _duration(seconds)
+
+
+EVAL_LINES_EVERY_S = 30.0  # an evaluation's progress lines in a log: this far apart at most
+
+
+class EvalProgress:
+    """An evaluation's log lines where no bar is drawn (a log file, CI, a sweep): one when it starts, one every
+    ``every_s`` seconds while it runs (so a long evaluation is never minutes of silence; a short one gets none),
+    and one when it ends, with its time and result."""
+
+    def __init__(self, desc: str, examples: int, batches: int, every_s: float | None = None):
+        self.desc, self.examples, self.batches = desc, examples, batches
+        self.every_s = EVAL_LINES_EVERY_S if every_s is None else every_s
+        self.started = self.last_line = time.monotonic()
+        log.info("%s: evaluating %d examples (%d batch%s)", desc, examples, batches, "" if batches == 1 else "es")
+
+    def batch(self, done_batches: int, done_examples: int) -> None:
+        """After each batch: a line when ``every_s`` passed since the last one, with the time it should still take."""
+        now = time.monotonic()
+        if now - self.last_line < self.every_s or done_batches >= self.batches:
+            return
+        self.last_line = now
+        elapsed = now - self.started
+        left = elapsed / done_batches * (self.batches - done_batches)
+        log.info("%s: %d/%d examples after %s, about %s left", self.desc, done_examples, self.examples,
+                 _elapsed(elapsed), _elapsed(left))
+
+    def generating(self) -> None:
+        """Generation tasks: the greedy answers come after the scoring, and take longer than it."""
+        log.info("%s: scored %d examples in %s; generating answers", self.desc, self.examples,
+                 _elapsed(time.monotonic() - self.started))
+
+    def done(self, loss: float, score: float, metric: str) -> None:
+        log.info("%s: %d examples in %s: loss %.4f, %s %.4f", self.desc, self.examples,
+                 _elapsed(time.monotonic() - self.started), loss, metric, score)
 
 
 def wandb_has_credentials() -> bool:

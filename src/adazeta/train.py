@@ -284,9 +284,10 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
         if spread is not None and not zo:  # gradients averaged over the ranks' shards
             ddp = DistributedDataParallel(LossModule(scorer), device_ids=[device.index] if device.type == "cuda" else None,
                                           broadcast_buffers=False)
-        progress = Progress(max_steps, initial=first_step - 1, budget=budget, initial_forwards=forward_passes)
+        progress = Progress(max_steps, initial=first_step - 1, budget=budget, initial_forwards=forward_passes,
+                            select_on=cfg.select_on)
         if resume is not None:
-            progress.evaluated(best_step, best.score, best.metric)
+            progress.evaluated(best_step, best.score, best.metric, best.loss, best_step)
         for step in range(first_step, max_steps + 1):
             epoch, slot = divmod(step - 1, per_epoch)
             if slot == 0 and step > 1:
@@ -361,12 +362,12 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
             if reason is None and (due or step == max_steps or out_of_budget):
                 last_eval_forwards = forward_passes
                 result = dev_eval(step)
-                progress.evaluated(step, result.score, result.metric)
                 # A collapsed model's loss (exactly ln #candidates) can be below a high start: never keep it.
                 if step >= cfg.select_from and not monitor.collapsed(result.tied) and (
                         best_step < cfg.select_from or better(result, best, cfg.select_on)):
                     best, best_step = result, step
                     best_state = trainable_state(model) if cfg.keep_best else None
+                progress.evaluated(step, result.score, result.metric, result.loss, best_step)
                 reason = monitor.update(result.loss, result.tied)
             if reason is not None:
                 status = "diverged"

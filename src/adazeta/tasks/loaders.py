@@ -471,6 +471,21 @@ def split_sizes(n: int, num_train: int, num_dev: int) -> tuple[int, int]:
     return min(num_train, n - n_dev), n_dev
 
 
+def shortfalls(rows: int, num_train: int, n_train: int, dev_key: str, num_dev: int, n_dev: int) -> list[str]:
+    """One line for each of train and dev that got fewer examples than asked for, from a train split of ``rows``.
+
+    Not refused: the MeZO protocol's defaults (1,000 + 500) exceed the small tasks' train splits (CB, COPA, WSC),
+    and its code takes what is there; the record holds the counts a run used (num_train, num_dev)."""
+    out = []
+    if n_dev < num_dev:
+        out.append(f"{n_dev} dev examples, not the {num_dev} that {dev_key} asks for: the train split has {rows} rows "
+                   f"and dev takes at most half of them")
+    if n_train < num_train:
+        out.append(f"{n_train} train examples, not the {num_train} that data.num_train asks for: the train split has "
+                   f"{rows} rows and dev takes {n_dev} of them")
+    return out
+
+
 def kshot_indices(labels: Sequence[int], k: int, seed: int) -> tuple[list[int], list[int]]:
     """LM-BFF's k-shot sampling: shuffle with ``seed``, then per class the first k rows train, the next k dev."""
     order = np.random.RandomState(seed).permutation(len(labels))
@@ -515,11 +530,17 @@ def load_task(
     dev: list[Example] = []
     if train_rows is not None:
         order = np.random.RandomState(data_seed).permutation(len(train_rows))
-        n_train, n_dev = split_sizes(len(order), data.num_train, spec.num_dev or data.num_dev)
+        dev_key, num_dev = ("task.num_dev", spec.num_dev) if spec.num_dev else ("data.num_dev", data.num_dev)
+        n_train, n_dev = split_sizes(len(order), data.num_train, num_dev)
         train, dev = make(train_rows, order[:n_train]), make(train_rows, order[n_train : n_train + n_dev])
+        for line in shortfalls(len(order), data.num_train, n_train, dev_key, num_dev, n_dev):
+            log.warning("task %s: %s", spec.name, line)
     # MeZO draws the test subset afresh from the evaluation split with the data seed (its sample_subset on
     # "valid"), not from the stream that drew train and dev: the same seed gives MeZO's test set.
     test = make(eval_rows, sample_indices(len(eval_rows), data.num_eval, np.random.RandomState(data_seed)))
+    if len(test) < data.num_eval:  # the protocol's "up to 1,000": the whole of a smaller split, as MeZO does
+        log.info("task %s: %d test examples: the whole evaluation split (data.num_eval=%d is an upper bound)",
+                 spec.name, len(test), data.num_eval)
     return TaskData(train, dev, test, describe_source(eval_rows if train_rows is None else train_rows, eval_rows))
 
 
