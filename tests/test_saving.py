@@ -78,13 +78,17 @@ def test_a_different_base_model_is_refused_in_one_line(fixture_data, tmp_path):
     ("missing", "no such folder"),
     ("empty", "holds no saved adapters"),
 ])
-def test_eval_without_saved_adapters_is_one_line_before_any_model_loads(source, message, fixture_data, tmp_path):
+def test_eval_without_saved_adapters_is_one_line_before_any_model_loads(source, message, fixture_data, tmp_path,
+                                                                         monkeypatch, capsys):
+    from test_bad_input import run_cli
+
     (tmp_path / "empty").mkdir()
     extra = [] if source is None else [f"eval.from={tmp_path / source}"]
-    s = None
-    with pytest.raises(ConfigError, match=message):
-        s = parse(compose_cfg(tiny_overrides(fixture_data, "method=eval", *extra)))
-    assert s is None
+    code, err = run_cli(monkeypatch, capsys, [*tiny_overrides(fixture_data, "method=eval", *extra),
+                                               f"hydra.run.dir={tmp_path / 'run'}"])
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
+    assert not (tmp_path / "run" / "result.json").exists()
 
 
 def test_save_pretrained_of_an_adapted_model_is_refused(fixture_data, tmp_path):

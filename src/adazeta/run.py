@@ -90,6 +90,7 @@ def preflight(s: Settings) -> None:
     hidden = s.model.hidden_size
     if hidden and hasattr(s.adapter.config, "check_hidden"):
         s.adapter.config.check_hidden(hidden)
+    s.adapter.config.check_ready()
     if s.model.device_map is not None:
         if s.optimizer is not None and not s.optimizer.config.zeroth_order:
             raise ConfigError(

@@ -26,6 +26,10 @@ class AdapterCapabilities:
     replicable: ClassVar[bool] = True
     takes_model_shapes: ClassVar[bool] = False
 
+    def check_ready(self) -> None:
+        """Raise ConfigError when a run cannot use this config as it stands (checked before any model loads; a
+        config may be valid as a group option and still need a value a run supplies, as a saved adapter's source)."""
+
 # Importing every module of this package registers the built-in adapters: a new adapter is one new file here.
 import importlib as _importlib  # noqa: E402
 import pkgutil as _pkgutil  # noqa: E402

@@ -37,7 +37,7 @@ class SavedConfig(AdapterCapabilities):
 
     source: str | None = None
 
-    def __post_init__(self) -> None:
+    def check_ready(self) -> None:
         if not self.source:
             raise ConfigError("method=eval needs eval.from=<run directory or its adapter/ folder>")
         saved_folder(self.source)  # checked before any model loads
@@ -46,6 +46,8 @@ class SavedConfig(AdapterCapabilities):
 @ADAPTERS.register("saved", SavedConfig)
 def load_saved(model: nn.Module, cfg: SavedConfig) -> nn.Module:
     from adazeta.saving import load_adapters
+
+    cfg.check_ready()
 
     model = load_adapters(model, saved_folder(cfg.source))
     model.requires_grad_(False)

@@ -1,0 +1,121 @@
+"""Zeroth-order training inside a Hugging Face ``Trainer``: keep your own ``Trainer`` script, switch to ZO-SGD.
+
+    from adazeta.hf import ZOTrainer, add_adapters
+
+    model = add_adapters(model, "tt", bottleneck=8, rank=5)       # AdaZeta's TT adapters (or "lora", "bottleneck")
+    trainer = ZOTrainer(model=model, args=TrainingArguments(...), train_dataset=ds,
+                        zo={"lr": 1e-4, "eps": 1e-3}, schedule="adaptive")   # any query schedule
+    trainer.train()
+    trainer.save_model()                                           # adapters, loadable with adazeta.load_adapters
+
+Each training step is one ZO-SGD step (``adazeta.optim.zo_sgd``) on the batch the Trainer hands over: Q queries
+(from the schedule, by epoch), the loss the model returns for ``inputs`` (its ``labels``), no backward pass. The
+Trainer's learning-rate scheduler, logging, evaluation and checkpoints work as usual; gradient accumulation and
+clipping do not apply (there is no gradient).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+
+from adazeta.errors import ConfigError
+from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
+
+
+class TrainerZOSGD(ZOSGD):
+    """ZO-SGD whose step is taken in ``ZOTrainer.training_step``; the Trainer's own ``optimizer.step()`` after it
+    (no closure) has nothing left to do."""
+
+    def step(self, closure: Any = None, n_queries: int | None = None, plan: Any = None) -> Any:  # type: ignore[override]
+        if closure is None:
+            return None
+        return super().step(closure, n_queries=n_queries, plan=plan)
+
+
+def add_adapters(model: nn.Module, kind: str = "tt", **config: Any) -> nn.Module:
+    """Attach the project's adapters (``tt``, ``bottleneck``, ``lora``) to a ``transformers`` model; only they train."""
+    from adazeta.adapters import ADAPTERS
+    from adazeta.registry import make_config
+
+    if kind not in ("tt", "bottleneck", "lora"):
+        raise ConfigError(f"add_adapters(kind={kind!r}): one of tt, bottleneck, lora")
+    entry = ADAPTERS.get(kind)
+    cfg = make_config(entry.config_cls, dict(config), where=f"add_adapters({kind!r})")
+    if kind == "tt" and cfg.init == "reference" and "init" not in config:
+        cfg.init = "identity"  # start exactly at the backbone (the reference init moves its activations)
+    model = entry.builder(model, cfg)
+    model._adazeta_adapter = (kind, cfg)  # what ZOTrainer.save_model writes
+    return model
+
+
+class ZOTrainer(Trainer):
+    """A ``transformers.Trainer`` whose steps are zeroth-order (``zo``: ``ZOSGDConfig`` fields; ``schedule``: a
+    query schedule's name, ``schedule_config`` its fields). The trainable parameters are those with
+    ``requires_grad`` (after ``add_adapters``: the adapters)."""
+
+    def __init__(self, *args: Any, zo: dict[str, Any] | None = None, schedule: str = "constant",
+                 schedule_config: dict[str, Any] | None = None, seed: int = 0, **kwargs: Any):
+        from adazeta.registry import make_config
+        from adazeta.schedules import SCHEDULES
+
+        super().__init__(*args, **kwargs)
+        self.zo_values = dict(zo or {})  # the step size: zo's lr, else TrainingArguments.learning_rate
+        self.zo_config = make_config(ZOSGDConfig, {"lr": self.args.learning_rate, **self.zo_values}, where="ZOTrainer zo")
+        self.schedule_name, self.schedule_values, self.zo_seed = schedule, dict(schedule_config or {}), seed
+        self._schedule = None
+        SCHEDULES.config(schedule, self.schedule_values)  # a bad name or value fails here, before training
+        if self.args.gradient_accumulation_steps != 1:
+            raise ConfigError("ZOTrainer: gradient_accumulation_steps must be 1 (a ZO step has no gradient to "
+                              "accumulate); raise per_device_train_batch_size instead")
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            trainable = [p for p in self.model.parameters() if p.requires_grad]
+            if not trainable:
+                raise ConfigError("ZOTrainer: the model has no trainable parameters (add_adapters, or requires_grad)")
+            c = self.zo_config
+            self.optimizer = TrainerZOSGD(trainable, lr=c.lr, eps=c.eps, weight_decay=c.weight_decay, seed=self.zo_seed,
+                                          reduction=c.reduction, estimator=c.estimator, noise=c.noise)
+        return self.optimizer
+
+    def _queries(self) -> int:
+        from adazeta.schedules import SCHEDULES
+
+        if self._schedule is None:
+            epochs = self.args.num_train_epochs if self.args.max_steps <= 0 else max(
+                1.0, self.args.max_steps / max(1, len(self.get_train_dataloader())))
+            self._schedule = SCHEDULES.get(self.schedule_name).builder(
+                SCHEDULES.config(self.schedule_name, self.schedule_values), float(epochs))
+        epoch = int(math.floor(self.state.epoch or 0.0))
+        return self._schedule(epoch)
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        model.eval()  # no dropout between a query's two forwards: both must see the same function
+        inputs = self._prepare_inputs(inputs)
+
+        def closure() -> torch.Tensor:
+            return model(**inputs).loss
+
+        zo = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps the optimizer
+        with torch.no_grad():
+            loss = zo.step(closure, n_queries=self._queries())
+        return loss.detach()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Adapters attached with ``add_adapters`` are written as ``adazeta.save_adapters`` writes them (peft's format
+        for LoRA); any other model as the Trainer saves it."""
+        from adazeta.saving import save_adapters
+
+        attached = getattr(self.model, "_adazeta_adapter", None)
+        if attached is None:
+            return super().save_model(output_dir, _internal_call)
+        kind, cfg = attached
+        out = output_dir or self.args.output_dir
+        name = getattr(getattr(self.model, "config", None), "_name_or_path", "") or "unknown"
+        save_adapters(self.model, out, kind, cfg, {"name": name})
+        return None
