@@ -3,8 +3,11 @@ composition. Tests import them with ``from helpers import ...`` (the tests folde
 
 from __future__ import annotations
 
+import csv
 import json
+import os
 import random
+import signal
 from pathlib import Path
 
 import pytest
@@ -80,3 +83,29 @@ def tiny_overrides(data_dir: Path, *extra: str) -> list[str]:
         "wandb.mode=disabled",
         *extra,
     ]
+
+
+# Columns that measure the machine, not the computation: they differ between any two runs.
+TIMING = {"step_time_s", "peak_mem_mb"}
+
+
+def rows(path: Path, drop: set[str] = frozenset()) -> list[dict[str, str]]:
+    """A CSV's rows, without the columns in ``drop``."""
+    with open(path, newline="") as f:
+        return [{k: v for k, v in r.items() if k not in drop} for r in csv.DictReader(f)]
+
+
+def signal_at_step(monkeypatch, step: int, signum: int = signal.SIGTERM, times: int = 1) -> None:
+    """Send ``signum`` (``times`` times in a row) to this process right after the loop has logged ``step``, inside
+    that step (a real signal, real handler)."""
+    from adazeta.tracking import Tracker
+
+    log_step = Tracker.log_step
+
+    def log_and_signal(self, row):
+        log_step(self, row)
+        if row["step"] == step:
+            for _ in range(times):
+                os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(Tracker, "log_step", log_and_signal)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import signal
@@ -18,15 +17,7 @@ from adazeta.errors import ConfigError
 from adazeta.rundir import atomic_write_text, claim, config_differences
 from adazeta.run import CHECKPOINT, run
 from adazeta.tracking import Tracker, WandbConfig
-from helpers import compose_cfg, tiny_overrides
-
-# Columns that measure the machine, not the computation: they differ between any two runs.
-TIMING = {"step_time_s", "peak_mem_mb"}
-
-
-def rows(path: Path, drop: set[str] = frozenset()) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return [{k: v for k, v in r.items() if k not in drop} for r in csv.DictReader(f)]
+from helpers import TIMING, compose_cfg, rows, signal_at_step, tiny_overrides
 
 
 def cfg(data_dir: Path, *extra: str):
@@ -96,18 +87,6 @@ def test_settings_added_to_the_code_later_do_not_count_as_differences():
 
 
 # --- interrupt and resume ------------------------------------------------------------------------------------
-
-
-def signal_at_step(monkeypatch, step: int, signum: int = signal.SIGTERM) -> None:
-    """Send ``signum`` to this process right after the loop has logged ``step`` (a real signal, real handler)."""
-    log_step = Tracker.log_step
-
-    def log_and_signal(self, row):
-        log_step(self, row)
-        if row["step"] == step:
-            os.kill(os.getpid(), signum)
-
-    monkeypatch.setattr(Tracker, "log_step", log_and_signal)
 
 
 @pytest.mark.parametrize("method", ["adazeta", "tt_adapter"])

@@ -37,7 +37,8 @@ from omegaconf import DictConfig
 from adazeta.errors import ConfigError, PeerError
 from adazeta.overrides import check
 from adazeta.paths import CONFIG_ENV, config_dir  # noqa: F401  (CONFIG_ENV re-exported)
-from adazeta.record import main_score
+from adazeta.record import main_score, resume_hint
+from adazeta.rundir import received_signal
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def _main(cfg: DictConfig) -> float | None:
@@ -82,10 +83,15 @@ def _main(cfg: DictConfig) -> float | None:
                                   f"(see {run_dir})")
         return None
     if record.get("status") == "interrupted":
-        # Stopped by SIGTERM / SIGINT: the run is recorded and checkpointed; a sweep stops here too.
-        print(f"adazeta-run: interrupted ({record.get('reason')}); run the same command again to resume",
-              file=sys.stderr)
+        # Stopped by a signal: the run is recorded (and checkpointed, when it could be); a sweep stops here too.
+        print(f"adazeta-run: interrupted ({record.get('reason')}); {resume_hint(record)}", file=sys.stderr)
         sys.exit(128 + signal.Signals[record.get("signal") or "SIGINT"].value)
+    received = received_signal()
+    if received is not None:
+        # A signal during the final evaluation or the record: the run completed first; the signal still stops.
+        print(f"adazeta-run: {received} came too late to stop the run: it completed and is recorded "
+              f"({record.get('status')}) in {run_dir}; nothing is left to resume", file=sys.stderr)
+        sys.exit(128 + signal.Signals[received].value)
     return main_score(record, "dev")  # what a Hydra sweeper would optimise: dev accuracy, or F1
 
 

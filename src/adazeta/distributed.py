@@ -18,15 +18,21 @@ and projected gradients known to every rank, which then applies the same update 
 
 First-order methods train through ``torch.nn.parallel.DistributedDataParallel`` on data shards. Evaluation runs
 on every rank (the same numbers everywhere, so that every rank takes the same decisions); rank 0 alone writes
-files and wandb. A rank that fails leaves its error in the process group's store, where rank 0 reads it to
-record the run as failed with that reason.
+files and wandb. A rank that fails, or that a signal stops at once, leaves its report in the process group's
+store, where rank 0 reads it to record the run with that reason. A rank whose process is gone without a report
+(SIGKILL, out of memory) is named by rank 0 from the process it registered at start-up (same host); one that
+hangs ends the run after ``distributed.timeout_s``, the collectives' timeout.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
+import signal
+import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence, TypeVar
 
@@ -38,7 +44,9 @@ from adazeta.errors import ConfigError
 log = logging.getLogger("adazeta")
 
 MODES = ("auto", "query", "data")
-ERROR_KEY = "adazeta/failed_rank"
+REPORT_KEY = "adazeta/report/{rank}"  # a rank's failure or stop signal, for rank 0's record
+PROCESS_KEY = "adazeta/process/{rank}"  # host, pid and start time of a rank's process: is it still there?
+ORDER_KEY = "adazeta/reports"  # counts the reports: the first one is the cause, later ones its consequences
 T = TypeVar("T")
 
 
@@ -49,7 +57,9 @@ class DistributedConfig:
     # auto: queries over ranks while a step has at least as many queries as ranks (whole groups of ranks per
     # query otherwise); query: queries only (ranks without a query wait); data: every query on minibatch shards.
     mode: str = "auto"
-    timeout_s: int = 1800  # a collective that waits this long for a silent rank ends the run
+    # A collective that waits this long for a rank that neither answers nor ends (a hung process, a lost node) ends
+    # the run, recorded `failed` with the silent rank named. A rank whose process ends is noticed at once.
+    timeout_s: int = 1800
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -154,7 +164,11 @@ def _slurm_rendezvous() -> None:
 
 
 def init(cfg: DistributedConfig | None = None) -> Dist:
-    """Join the run's process group when launched on several processes (NCCL on GPUs, gloo on CPUs)."""
+    """Join the run's process group when launched on several processes (NCCL on GPUs, gloo on CPUs).
+
+    Collectives time out after ``distributed.timeout_s``; each rank registers its process in the store, so that
+    rank 0 can name a rank whose process is gone.
+    """
     where = launch_env()
     if where is None:
         return SINGLE
@@ -168,9 +182,14 @@ def init(cfg: DistributedConfig | None = None) -> Dist:
     backend = "nccl" if cuda else "gloo"
     if cuda:
         torch.cuda.set_device(local % torch.cuda.device_count())
-    timeout = datetime.timedelta(seconds=(cfg or DistributedConfig()).timeout_s)
-    dist.init_process_group(backend, timeout=timeout)
+    timeout_s = (cfg or DistributedConfig()).timeout_s
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    _timeout_s[0] = timeout_s
+    _register_process(rank)
     return Dist(rank, world, local, backend)
+
+
+_timeout_s = [DistributedConfig.timeout_s]  # the process group's, for the record of a timed-out collective
 
 
 def close() -> None:
@@ -187,13 +206,15 @@ def broadcast(value: T, src: int = 0) -> T:
     return box[0]
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank when ``flag`` is true on any (a signal seen by one rank stops all at the same step)."""
+def signals_by_rank(name: str | None, device: torch.device) -> dict[int, str]:
+    """{rank: signal name} for the ranks that received a stop signal, known to every rank (one all-reduce of N
+    numbers): a signal seen by one rank stops all at the same step, and the record names the signal and the rank."""
     if not dist.is_initialized():
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0], device=_comm_device(device))
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+        return {0: name} if name else {}
+    numbers = torch.zeros(dist.get_world_size(), device=_comm_device(device))
+    numbers[dist.get_rank()] = signal.Signals[name].value if name else 0
+    dist.all_reduce(numbers, op=dist.ReduceOp.MAX)
+    return {r: signal.Signals(int(n)).name for r, n in enumerate(numbers.tolist()) if n}
 
 
 def _comm_device(device: torch.device) -> torch.device:
@@ -213,27 +234,117 @@ def all_sum_(vector: torch.Tensor) -> torch.Tensor:
     return vector.copy_(host)
 
 
-def report_failure(message: str) -> None:
-    """Leave this rank's error where rank 0 can read it (the store outlives a failed rank under torchrun)."""
+def _store() -> Any:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _start_time(pid: int) -> str | None:
+    """``pid``'s start time (clock ticks after boot, /proc/<pid>/stat field 22) while it runs; None once it has
+    ended (gone, or a zombie). The start time tells a reused pid from the process that registered."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _register_process(rank: int) -> None:
+    try:
+        started = _start_time(os.getpid()) or "?"
+        _store().set(PROCESS_KEY.format(rank=rank), f"{socket.gethostname()} {os.getpid()} {started}")
+    except Exception:  # without it, rank 0 cannot tell whether this process ended: nothing more
+        log.debug("could not register the process", exc_info=True)
+
+
+def _process(rank: int) -> tuple[str, bool | None]:
+    """(``pid N on HOST``, whether that process has ended: None when it runs on another host, or is unknown)."""
+    try:
+        host, pid, started = _store().get(PROCESS_KEY.format(rank=rank)).decode().split()
+    except Exception:
+        return "process unknown", None
+    if host != socket.gethostname() or started == "?":
+        return f"pid {pid} on {host}", None
+    return f"pid {pid} on {host}", _start_time(int(pid)) != started
+
+
+def _report(rank: int) -> dict[str, Any] | None:
+    key = REPORT_KEY.format(rank=rank)
+    try:
+        store = _store()
+        return json.loads(store.get(key)) if store.check([key]) else None
+    except Exception:
+        return None
+
+
+def lost_peers() -> str | None:
+    """The other ranks whose processes (on this host) ended without leaving a report, named; else None."""
+    if not dist.is_initialized():
+        return None
+    gone = []
+    for rank in range(dist.get_world_size()):
+        if rank != dist.get_rank() and _report(rank) is None:
+            where, ended = _process(rank)
+            if ended:
+                gone.append(f"rank {rank} ({where})")
+    if not gone:
+        return None
+    return (f"{', '.join(gone)} ended without reporting an error (killed by a signal such as SIGKILL, or out of "
+            "memory)")
+
+
+def report_failure(message: str, signal_name: str | None = None) -> None:
+    """Leave this rank's error, or the signal that stopped it at once, where rank 0 can read it (the store
+    outlives a failed rank under torchrun)."""
     if not dist.is_initialized():
         return
     try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(ERROR_KEY, f"rank {dist.get_rank()}: {message}")
+        store = _store()
+        order = store.add(ORDER_KEY, 1)
+        report = {"rank": dist.get_rank(), "reason": message, "signal": signal_name, "order": order}
+        store.set(REPORT_KEY.format(rank=dist.get_rank()), json.dumps(report))
     except Exception:  # the store went away with the group: torchrun's own log still names the failure
-        log.debug("could not leave the error in the store", exc_info=True)
+        log.debug("could not leave the report in the store", exc_info=True)
 
 
-def peer_failure(wait_s: float = 5.0) -> str | None:
-    """The error another rank left (waiting up to ``wait_s`` for it to arrive), or None."""
+@dataclass(frozen=True)
+class PeerReport:
+    """Why another rank stopped, as rank 0 records it: ``reason`` names the rank; ``signal``: a signal stopped
+    it at once (the run is then ``interrupted``, not ``failed``)."""
+
+    reason: str
+    signal: str | None = None
+
+
+def peer_failure(error: BaseException | None = None, wait_s: float = 5.0) -> PeerReport | None:
+    """Why another rank stopped, when rank 0's own ``error`` may be its consequence (a broken collective).
+
+    The first report a rank left (waiting up to ``wait_s`` for one); a rank whose process ended without one
+    (SIGKILL, out of memory), at once; after a collective's timeout, the ranks that neither answered nor reported.
+    None when no other rank is to blame.
+    """
     if not dist.is_initialized():
         return None
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.wait([ERROR_KEY], datetime.timedelta(seconds=wait_s))
-        return store.get(ERROR_KEY).decode()
-    except Exception:
-        return None
+    others = [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
+    timed_out = error is not None and any(w in str(error).lower() for w in ("timed out", "timeout"))
+    deadline = time.monotonic() + wait_s
+    while True:
+        reports = {rank: r for rank in others if (r := _report(rank)) is not None}
+        lost = lost_peers()
+        if lost is not None:
+            return PeerReport(lost)
+        if (reports and not timed_out) or len(reports) == len(others) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    silent = [r for r in others if r not in reports]
+    if timed_out and silent:  # the ranks that answered timed out waiting for the silent ones too, and said so
+        named = ", ".join(f"rank {r} ({_process(r)[0]})" for r in silent)
+        return PeerReport(f"{named} did not answer within distributed.timeout_s={_timeout_s[0]} (a hung process or a "
+                          f"lost node); {type(error).__name__}: {error}")
+    if reports:
+        first = min(reports.values(), key=lambda r: r["order"])
+        return PeerReport(f"rank {first['rank']}: {first['reason']}", first.get("signal"))
+    return None
 
 
 def describe(d: Dist, spread_mode: str, zeroth_order: bool) -> dict[str, Any]:

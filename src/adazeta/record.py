@@ -70,7 +70,11 @@ class RunRecord:
     device: dict[str, Any] = UNSET
     peak_mem_mb: float = UNSET
     dev_metrics: dict[str, float] = field(default_factory=dict)  # written as dev_<name>: f1, em
-    signal: str | None = UNSET  # interrupted: the signal that stopped it
+    # interrupted: the signal that stopped it; finished, diverged: a signal that came during the final evaluation,
+    # which finished first (the command still exits with the signal's status)
+    signal: str | None = UNSET
+    checkpoint_step: int | None = UNSET  # interrupted, failed: the checkpoint's step the same command resumes from;
+    # null: no checkpoint, the same command starts the run over
     test_loss: float = UNSET
     test_score: float = UNSET
     test_metrics: dict[str, float] = field(default_factory=dict)  # written as test_<name>
@@ -92,6 +96,14 @@ class RunRecord:
             elif value is not UNSET:
                 out[f.name] = value
         return out
+
+
+def resume_hint(record: dict[str, Any]) -> str:
+    """What the same command does with an interrupted (or failed) run, as its record says: resume, or start over."""
+    step = record.get("checkpoint_step")
+    if step is None:
+        return "no checkpoint was written, so the same command starts the run over"
+    return f"run the same command again to resume from its checkpoint at step {step}"
 
 
 def main_score(record: dict[str, Any], split: str) -> Any:

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from adazeta.errors import ConfigError
+from adazeta.record import ENDED, main_score
 from adazeta.rundir import atomic_write_text
 
 PACKAGES = ("adazeta", "torch", "transformers", "peft", "datasets", "hydra-core", "wandb", "tensorly", "gguf")
@@ -75,3 +77,43 @@ def write_result(path: Path, record: dict[str, Any]) -> None:
 
 def read_result(path: Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
+
+
+def record_problem(record: Any) -> str | None:
+    """What makes ``record`` (a parsed result.json) unusable to skip, compare or resume its run, or None."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not a record (a JSON object)"
+    missing = [key for key in ("status", "config") if key not in record]
+    if missing:
+        return f"no {' or '.join(repr(k) for k in missing)}"
+    if record["status"] not in STATUSES:
+        return f"status {record['status']!r} is not one of {', '.join(STATUSES)}"
+    if not isinstance(record["config"], dict):
+        return "its 'config' is not a mapping"
+    if record["status"] in ENDED:  # a result: its numbers must be there
+        missing = [k for k in ("steps", f"test_{record.get('metric') or 'accuracy'}") if k not in record]
+        if missing or main_score(record, "test") is None:
+            return f"a {record['status']} record without {' or '.join(repr(k) for k in missing) or 'a test score'}"
+    return None
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    """The record a run directory holds, checked: a damaged one (cut short, not JSON, not a record, keys missing)
+    is never taken for an absent one, which the next run would overwrite. ConfigError names the file and the
+    way out."""
+    problem = None
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+        record = json.loads(text)
+    except UnicodeDecodeError:
+        problem = "not UTF-8 text"
+    except json.JSONDecodeError as err:
+        problem = "empty" if not text.strip() else f"not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
+    except OSError as err:
+        problem = f"unreadable: {err.strerror or err}"
+    else:
+        problem = record_problem(record)
+    if problem is not None:
+        raise ConfigError(f"{path} is damaged ({problem}), so its run cannot be skipped or resumed; move it away to "
+                          "keep it, or rerun with force=true to replace the run")
+    return record

@@ -43,10 +43,10 @@ from adazeta.models import (
 from adazeta.optim import OPTIMIZERS, check_contract, zeroth_order
 from adazeta.paths import config_dir
 from adazeta.probe import linear_probe
-from adazeta.record import ENDED, RunRecord
+from adazeta.record import ENDED, RunRecord, resume_hint
+from adazeta.results import device_info, git_state, package_versions, read_record, write_result
+from adazeta.rundir import Interrupted, StopSignals, atomic_write_text, claim, config_differences, forget_signals
 from adazeta.saving import model_card, save_adapters
-from adazeta.results import device_info, git_state, package_versions, read_result, write_result
-from adazeta.rundir import Interrupted, StopSignals, atomic_write_text, claim, config_differences
 from adazeta.optim.batched import replica_sites
 from adazeta.schedules import SCHEDULES, Schedule, budget_steps, mean_queries
 from adazeta.scoring import Encoded, Scorer, encode, packing_supported
@@ -57,7 +57,10 @@ from adazeta.tasks.objectives import build_objective
 from adazeta.tracking import (
     DivergenceMonitor,
     SilentTracker,
+    STEP_COLUMNS,
     Tracker,
+    eval_columns,
+    missing_rows,
     peak_memory_mb,
     quiet_third_party,
     reset_peak_memory,
@@ -257,8 +260,10 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> d
 
     The run directory is claimed for the whole run (a second run on it is refused). A directory that holds a
     run of the same settings is skipped when that run ended (finished, diverged) and resumed from its
-    checkpoint when it was interrupted; one that holds a run of other settings is refused unless ``force``.
+    checkpoint when it was interrupted; one that holds a run of other settings is refused unless ``force``, as is
+    one whose record or checkpoint is damaged (never taken for an empty directory).
     """
+    forget_signals()
     s = parse(cfg)
     preflight(s)
     if s.dry_run:
@@ -298,9 +303,11 @@ def _run_claimed(s: Settings, run_dir: Path, overrides: list[str] | None, d: Dis
             checkpoint = run_dir / CHECKPOINT
             if s.force:
                 checkpoint.unlink(missing_ok=True)
-            previous = previous_run(run_dir)
-            if previous is not None and not s.force:
-                status, config = previous
+            writable_record(run_dir)
+            previous = None if s.force else previous_run(run_dir)
+            resume = None
+            if previous is not None:
+                status, config, record = previous
                 differences = config_differences(config, s.raw)
                 if differences:
                     shown = "; ".join(differences[:3]) + (
@@ -312,9 +319,11 @@ def _run_claimed(s: Settings, run_dir: Path, overrides: list[str] | None, d: Dis
                 if status in ENDED:
                     log.info("skipping: %s already holds %s %s result (force=true reruns it)", run_dir, article(status),
                              status)
-                    return decide("skip", read_result(run_dir / "result.json"))
+                    return decide("skip", record)
+                if checkpoint.is_file():
+                    resume = load_checkpoint(checkpoint)
+                    check_resumable(run_dir, resume, s.task.metric)
             write_provenance(run_dir, s.raw, overrides)
-            resume = load_checkpoint(checkpoint) if checkpoint.is_file() else None
             decide("run", resume is not None)
             return execute(s, run_dir, resume, d)
     except BaseException as err:
@@ -331,26 +340,65 @@ def article(word: str) -> str:
     return "an" if word[:1].lower() in "aeiou" else "a"
 
 
-def previous_run(run_dir: Path) -> tuple[str, dict[str, Any]] | None:
-    """(status, config) of the run ``run_dir`` already holds: its result record, else its checkpoint (killed)."""
+def previous_run(run_dir: Path) -> tuple[str, dict[str, Any], dict[str, Any] | None] | None:
+    """(status, config, record) of the run ``run_dir`` already holds: its result record, else its checkpoint
+    (killed: no record). None when it holds neither; ConfigError when either is damaged."""
     path = run_dir / "result.json"
-    if path.is_file():
-        try:
-            record = read_result(path)
-        except ValueError:
-            record = None
-        if record is not None and record.get("config") is not None:
-            return record.get("status", "failed"), record["config"]
+    if path.exists():
+        record = read_record(path)
+        return record["status"], record["config"], record
     if (run_dir / CHECKPOINT).is_file():
-        return "interrupted", load_checkpoint(run_dir / CHECKPOINT)["config"]
+        return "interrupted", load_checkpoint(run_dir / CHECKPOINT)["config"], None
     return None
 
 
+def writable_record(run_dir: Path) -> None:
+    """Stop before any work when the record could not be written at the end (a folder where result.json belongs)."""
+    path = run_dir / "result.json"
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{path} is not a file, so the run's record could not be written there; move it away, or "
+                          "choose another hydra.run.dir")
+
+
+CHECKPOINT_KEYS = {"config": dict, "loop": dict, "tracker": dict}
+LOOP_KEYS = ("step",)
+TRACKER_KEYS = ("metrics_rows", "eval_rows", "last_step")
+
+
+def checkpoint_problem(state: Any) -> str | None:
+    """What makes ``state`` (a loaded checkpoint.pt) not a checkpoint this runner wrote, or None."""
+    if not isinstance(state, dict):
+        return f"it holds a {type(state).__name__}, not the runner's dict"
+    for key, kind in CHECKPOINT_KEYS.items():
+        if not isinstance(state.get(key), kind):
+            return f"no {key!r} entry" if key not in state else f"its {key!r} entry is not a {kind.__name__}"
+    missing = [f"loop.{k}" for k in LOOP_KEYS if k not in state["loop"]]
+    missing += [f"tracker.{k}" for k in TRACKER_KEYS if k not in state["tracker"]]
+    return f"no {', '.join(missing)}" if missing else None
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint this runner wrote; ConfigError naming the file and the way out when it is not one."""
+    way_out = "move it away to keep it, or rerun with force=true to start the run over"
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # a truncated file from a crash during the write's rename cannot happen; others can
-        raise ConfigError(f"cannot read the checkpoint {path} ({type(err).__name__}); delete it or rerun with force=true")
+        raise ConfigError(f"cannot read the checkpoint {path} ({type(err).__name__}); {way_out}") from None
+    problem = checkpoint_problem(state)
+    if problem is not None:
+        raise ConfigError(f"{path} is not a checkpoint of this runner ({problem}); {way_out}")
+    return state
+
+
+def check_resumable(run_dir: Path, state: dict[str, Any], metric: str) -> None:
+    """Before any work: the CSVs a checkpoint continues hold the rows it counts (none was deleted or cut)."""
+    position, step = state["tracker"], state["loop"]["step"]
+    for name, columns, rows in (("metrics.csv", STEP_COLUMNS, position["metrics_rows"]),
+                                ("eval.csv", eval_columns(metric), position["eval_rows"])):
+        problem = missing_rows(run_dir / name, columns, rows)
+        if problem is not None:
+            raise ConfigError(f"{run_dir / name}: {problem}, so the checkpoint at step {step} cannot resume the run; "
+                              "restore the file, or rerun with force=true to start the run over")
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
@@ -374,10 +422,12 @@ def execute(
 ) -> dict[str, Any]:
     """Build, train, test and record one run; ``resume``: a checkpoint this run's settings wrote earlier.
 
-    SIGTERM / SIGINT end the run ``interrupted`` (checkpointed when it happens during training); a finished or
-    diverged run removes its checkpoint. ``result.json`` is written in every case, atomically.
+    SIGTERM / SIGINT / SIGHUP end the run ``interrupted`` (checkpointed when it happens during training; during
+    the final evaluation, a first signal lets the run finish and be recorded: see ``adazeta.rundir.PHASES``); a
+    finished or diverged run removes its checkpoint. ``result.json`` is written in every case, atomically, with
+    the signals held back while it is written.
     Several processes (``d``): every rank trains; rank 0 alone writes files and wandb, and when another rank
-    fails, rank 0 records the run as failed with that rank's error.
+    fails, or a signal stops it at once, rank 0 records the run with that rank's report.
     """
     started = time.time()
     code = git_state()  # the code that runs, read before it runs (the tree may change during a long run)
@@ -385,41 +435,57 @@ def execute(
     record = RunRecord(s.method, s.task.name, s.task.version, s.model.name, s.seed, s.experiment)
     checkpoint = run_dir / CHECKPOINT
     tracker = None
+    saved: list[int | None] = [None]  # the step of the checkpoint in run_dir, the one the same command resumes from
     if resume is not None:
-        record.resumed_from_step = resume["loop"]["step"]
+        saved[0] = record.resumed_from_step = resume["loop"]["step"]
         log.info("resuming %s from its checkpoint at step %d", run_dir, resume["loop"]["step"])
-    signals = StopSignals()
-    try:
-        with signals:
-            tracker = _execute(s, run_dir, resume, record, signals, d)
-    except Interrupted as stop:
-        step = f" at step {tracker.last_step}" if tracker is not None and tracker.last_step else ""
-        record.status, record.signal = "interrupted", stop.name
-        record.reason = f"{stop.name}{step}, outside a training step"
-    except Exception as err:
-        reason = f"{type(err).__name__}: {err}"
-        if d.enabled and not d.is_main:
-            distributed.report_failure(reason)  # for rank 0's record
-            raise
-        peer = distributed.peer_failure() if d.enabled else None
-        record.reason = peer or reason  # a collective broken by another rank's failure: that failure
-        raise
-    finally:
-        if d.is_main:  # rank 0 writes the record
-            record.wall_time_s = round(time.time() - started, 2)
-            record.git, record.packages, record.config = code, package_versions(), s.raw
-            written = record.as_dict()
-            try:
-                write_result(run_dir / "result.json", written)
-            finally:
-                if tracker is not None:
-                    tracker.summary({k: v for k, v in written.items()
-                                     if isinstance(v, (int, float, str)) and v is not None})
-                    tracker.close(failed=record.status == "failed")
-        elif tracker is not None:
-            tracker.close()
-    if d.is_main and record.status in ENDED:
-        checkpoint.unlink(missing_ok=True)  # the result is final: nothing to resume
+    signals = StopSignals(distributed.lost_peers if d.enabled else None)
+    with signals:
+        try:
+            tracker = _execute(s, run_dir, resume, record, signals, saved, d)
+        except Interrupted as stop:  # a signal stopped the run at once
+            signals.at("save", "the run's record")
+            record.status, record.signal, record.reason = "interrupted", stop.name, stop.describe()
+            if d.enabled and not d.is_main:
+                distributed.report_failure(record.reason, stop.name)  # for rank 0's record
+        except Exception as err:
+            signals.at("save", "the run's record")
+            reason = f"{type(err).__name__}: {err}"
+            if d.enabled and not d.is_main:
+                distributed.report_failure(reason)  # for rank 0's record
+                raise
+            peer = distributed.peer_failure(err) if d.enabled else None
+            if peer is None or peer.signal is None:
+                record.reason = peer.reason if peer else reason  # a collective broken by another rank: its failure
+                raise
+            # Another rank was stopped at once by a signal, which broke this rank's collective: interrupted too.
+            record.status, record.signal, record.reason = "interrupted", peer.signal, peer.reason
+        finally:
+            signals.at("save", "the run's record")  # from here every signal waits for the record
+            if record.status in ("interrupted", "failed"):
+                record.checkpoint_step = saved[0] if checkpoint.is_file() else None
+            elif signals.requested is not None:  # it came during the final evaluation, which finished
+                record.signal = signals.requested
+            if d.is_main:  # rank 0 writes the record
+                record.wall_time_s = round(time.time() - started, 2)
+                record.git, record.packages, record.config = code, package_versions(), s.raw
+                written = record.as_dict()
+                try:
+                    write_result(run_dir / "result.json", written)
+                finally:
+                    if tracker is not None:
+                        tracker.summary({k: v for k, v in written.items()
+                                         if isinstance(v, (int, float, str)) and v is not None})
+                        tracker.close(failed=record.status == "failed")
+            elif tracker is not None:
+                tracker.close()
+        if d.is_main and record.status in ENDED:
+            checkpoint.unlink(missing_ok=True)  # the result is final: nothing to resume
+    if record.status == "interrupted":
+        log.warning("interrupted (%s); %s", record.reason, resume_hint(record.as_dict()))
+    elif signals.requested is not None:
+        log.warning("%s: the run completed first and is recorded (%s) in %s", signals.requested, record.status,
+                    run_dir)
     signals.forward()  # a scheduler's notice (SIGUSR2 under submitit): now that all is saved, let it requeue
     return record.as_dict()
 
@@ -469,9 +535,10 @@ def save_trained(run_dir: Path, model: Any, s: Settings, record: RunRecord, outc
 
 def _execute(
     s: Settings, run_dir: Path, resume: dict[str, Any] | None, record: RunRecord, signals: StopSignals,
-    d: Dist = distributed.SINGLE,
+    saved: list[int | None], d: Dist = distributed.SINGLE,
 ) -> Tracker:
-    """The body of ``execute``: fills ``record`` as it goes; returns the tracker it opened."""
+    """The body of ``execute``: fills ``record`` as it goes; returns the tracker it opened. ``saved[0]``: the
+    step of each checkpoint written."""
     b = build(s)
     reset_peak_memory(b.device)
     model, family, tok, data, enc, named = b.model, b.family, b.tokenizer, b.data, b.enc, b.named
@@ -517,25 +584,31 @@ def _execute(
                           resume=resume["tracker"] if resume else None, metric=s.task.metric)
     else:
         tracker = SilentTracker(resume=resume["tracker"] if resume else None)
+    def save(state: dict[str, Any]) -> None:
+        """The checkpoint, written whole: a signal meanwhile waits for it (the one a first signal asked for)."""
+        phase, where = signals.phase, signals.where
+        signals.at("save", f"the checkpoint at step {state['step']}")
+        try:
+            if d.is_main:
+                save_checkpoint(run_dir / CHECKPOINT, {"config": s.raw, "loop": state, "tracker": tracker.position()})
+            saved[0] = state["step"]
+        finally:
+            signals.at(phase, where)
+
     try:
         if s.probe is not None:
+            signals.at("setup", "the linear probe's fit and evaluation")
             outcome, record.probe = linear_probe(scorer, enc, s.probe, s.train.eval_batch_size, tracker, s.seed)
         else:
-            checkpoints = Checkpoints(
-                save=lambda state: d.is_main and save_checkpoint(
-                    run_dir / CHECKPOINT, {"config": s.raw, "loop": state, "tracker": tracker.position()}
-                ),
-                resume=resume["loop"] if resume else None,
-                stop=signals,
-            )
-            signals.loop = True  # from here a signal ends the current step, checkpoints, and stops
+            checkpoints = Checkpoints(save=save, resume=resume["loop"] if resume else None, stop=signals,
+                                      at=signals.at)
             splits = Splits(enc["train"], scorer.batches(enc["dev"], s.train.eval_batch_size, sort=True),
                             scorer.batches(enc["eval"], s.train.eval_batch_size, sort=True))
             spread = Spread(d.rank, d.world_size, s.distributed.mode) if d.enabled else None
             loop = Loop(tracker, DivergenceMonitor(s.divergence), s.seed, schedule, b.length, checkpoints, spread,
                         guard=s.guard)
             outcome = train(scorer, optimizer, splits, s.train, loop)
-            signals.loop = False
+        signals.at("save", "the run's record")
     except BaseException:
         tracker.close(failed=True)
         raise
@@ -548,9 +621,8 @@ def _execute(
         record.initial_dev_loss = record.initial_dev_score = record.dev_loss = record.dev_score = None
     record.device, record.peak_mem_mb = device_info(device), round(peak_memory_mb(device), 1)
     record.dev_metrics = dict(outcome.best_dev.metrics)  # f1, em
-    if outcome.status == "interrupted":
-        record.signal = signals.requested
-        log.warning("interrupted (%s); checkpoint in %s: the same command resumes it", outcome.reason, run_dir)
+    if outcome.status == "interrupted":  # at a step boundary, checkpointed
+        record.signal = outcome.signal
         return tracker
     record.test_loss, record.test_score = outcome.test.loss, outcome.test.score
     record.test_metrics = dict(outcome.test.metrics)

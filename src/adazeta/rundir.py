@@ -7,9 +7,11 @@
   that a finished run is skipped only when it is the same run.
 - ``atomic_write_text``: temp file in the same directory, fsync, rename: a reader sees the old file or the new
   one, never a mix, and a failed write leaves the old file in place.
-- ``StopSignals``: SIGTERM (a cluster's time limit, preemption) and SIGINT (Ctrl-C) ask the training loop to
-  stop at the next step boundary, where it saves a checkpoint; a second signal, or one outside the loop, stops
-  at once. Either way the run is recorded ``interrupted`` and the same command resumes it.
+- ``StopSignals``: SIGTERM (a cluster's time limit, preemption), SIGINT (Ctrl-C) and SIGHUP (the terminal closed)
+  ask the training loop to stop at the next step boundary, where it saves a checkpoint; during the final
+  evaluation the first one lets the evaluation finish and its result be recorded; while the record is written,
+  every signal waits for it. A second signal, or one before training starts, stops at once. The record says where
+  the signal stopped the run and whether a checkpoint is left to resume from.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import socket
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from adazeta.errors import ConfigError
 
@@ -144,49 +146,100 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 class Interrupted(BaseException):
-    """Raised by a stop signal outside the training loop; a BaseException so that no ``except Exception`` eats it."""
+    """Raised by a stop signal that stops the run at once; a BaseException so that no ``except Exception`` eats it.
 
-    def __init__(self, name: str):
+    ``where``: what the run was doing (``StopSignals.where``); ``again``: a second signal (the first asked for a
+    stop at the next step boundary, or after the final evaluation).
+    """
+
+    def __init__(self, name: str, where: str = "the set-up", again: bool = False):
         super().__init__(name)
-        self.name = name
+        self.name, self.where, self.again = name, where, again
+
+    def describe(self) -> str:
+        """The record's reason: which signal, during what, and that it stopped the run at once."""
+        if self.again:
+            return f"{self.name} again during {self.where}: stopped at once"
+        return f"{self.name} during {self.where}, outside a training step"
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # A scheduler's notice that the job's time is nearly up or that it is preempted (SLURM's --signal, which submitit
 # asks for and handles by requeueing the job): a stop signal too, when a handler was installed for it; that
 # handler is called once the run is checkpointed and recorded (``forward``).
 NOTICE_SIGNALS = (signal.SIGUSR2,)
+# What the run is doing decides what a first stop signal does (a second one stops at once, except in ``save``):
+#   setup  before training (model and data loading, a probe's fit): stop at once, nothing to checkpoint
+#   step   a training step or a dev evaluation: finish the step, checkpoint, stop
+#   final  the final evaluation: finish it and record the result, then exit with the signal's status
+#   save   writing a checkpoint or the record: every signal waits until it is written (a finished run, or the
+#          checkpoint a first signal asked for, is never lost to the second)
+PHASES = ("setup", "step", "final", "save")
+
+_received: list[str] = []  # the stop signals this process received since the last ``StopSignals`` was entered
+
+
+def received_signal() -> str | None:
+    """The first stop signal the last run received, or None: the command's exit status (128 + n) follows it."""
+    return _received[0] if _received else None
+
+
+def forget_signals() -> None:
+    """A new run starts (a run that is skipped never enters ``StopSignals``): no signal received yet."""
+    _received.clear()
 
 
 class StopSignals:
-    """Within ``with``: SIGTERM / SIGINT set ``requested`` while ``loop`` is true, else raise ``Interrupted``.
+    """Within ``with``: SIGTERM / SIGINT / SIGHUP act by ``phase`` (see PHASES); ``at`` moves between phases.
 
     SIGUSR2 too when a Python handler was installed for it before (submitit's requeue): ``forward()`` calls that
-    handler after the run has written its checkpoint and record.
+    handler after the run has written its checkpoint and record. ``lost_peers`` (several processes): a signal
+    that arrives while another rank's process is gone (torchrun stops the survivors with SIGTERM) is that rank's
+    failure, raised at once as ``PeerLost``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, lost_peers: Callable[[], str | None] | None = None) -> None:
         self.requested: str | None = None
         self.notice: tuple[int, Any] | None = None  # the notice signal received and its earlier handler
-        self.loop = False
+        self.phase, self.where = "setup", "the set-up (model and data loading)"
+        self.lost_peers = lost_peers
         self._previous: dict[int, Any] = {}
 
     def __call__(self) -> str | None:
         """The name of the signal that asked the run to stop, or None: the training loop's ``stop`` check."""
         return self.requested
 
+    def at(self, phase: str, where: str) -> None:
+        """The run enters ``phase`` (PHASES), doing ``where`` (named in the record when a signal stops it)."""
+        assert phase in PHASES, phase
+        self.phase, self.where = phase, where
+
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
+        log = logging.getLogger("adazeta")
+        _received.append(name)
         if signum in NOTICE_SIGNALS:
             self.notice = (signum, self._previous.get(signum))
-        if self.loop and self.requested is None:
-            self.requested = name  # finish the step, checkpoint, stop
-            logging.getLogger("adazeta").warning("%s: stopping after this step (send it again to stop at once)", name)
+        if self.phase == "save":
+            self.requested = self.requested or name
+            log.warning("%s: stopping once %s is written", name, self.where)
             return
-        self.requested = name
-        raise Interrupted(name)
+        lost = self.lost_peers() if self.lost_peers is not None and self.phase != "final" else None
+        if lost is not None:
+            raise PeerLost(lost)
+        first = self.requested is None
+        self.requested = self.requested or name
+        if first and self.phase == "step":  # finish the step, checkpoint, stop
+            log.warning("%s: stopping after this step (send it again to stop at once)", name)
+            return
+        if first and self.phase == "final":
+            log.warning("%s: finishing %s and recording the result, then stopping (send it again to stop at "
+                        "once)", name, self.where)
+            return
+        raise Interrupted(name, self.where, again=not first)
 
     def __enter__(self) -> "StopSignals":
+        forget_signals()
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -206,3 +259,7 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+class PeerLost(RuntimeError):
+    """Another rank's process is gone (several processes): the run fails, naming it."""

@@ -331,6 +331,21 @@ def wandb_has_credentials() -> bool:
         return False
 
 
+def missing_rows(path: Path, columns: list[str], keep_rows: int) -> str | None:
+    """Why the CSV at ``path`` cannot be continued after its first ``keep_rows`` rows (a resumed run), or None."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    except FileNotFoundError:
+        return "the file is missing"
+    except (OSError, UnicodeDecodeError) as err:
+        return f"the file is unreadable ({getattr(err, 'strerror', None) or err})"
+    if not lines or lines[0] != ",".join(columns) + "\n":
+        return f"its header is not {','.join(columns)}"
+    if len(lines) - 1 < keep_rows:
+        return f"it holds {len(lines) - 1} of the {keep_rows} rows the checkpoint continues"
+    return None
+
+
 class CsvSink:
     """Append-only CSV with a fixed header; each row is written whole and flushed at once.
 
@@ -343,9 +358,10 @@ class CsvSink:
         self.rows = 0
         header = ",".join(columns) + "\n"
         if keep_rows is not None:
-            lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.is_file() else []
-            if not lines or lines[0] != header or len(lines) - 1 < keep_rows:
-                raise ValueError(f"{path} does not hold the {keep_rows} rows the checkpoint expects; rerun with force=true")
+            problem = missing_rows(path, columns, keep_rows)
+            if problem is not None:
+                raise ValueError(f"{path}: {problem}; rerun with force=true")
+            lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
             atomic_write_text(path, "".join(lines[: keep_rows + 1]))
             self.rows = keep_rows
             self._file = open(path, "a", newline="", encoding="utf-8")

@@ -20,12 +20,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from adazeta.distributed import Spread, all_sum_, any_rank
+from adazeta.distributed import Spread, all_sum_, signals_by_rank
 from adazeta.errors import ConfigError
 from adazeta.evaluate import EvalResult, evaluate
 from adazeta.guards import GuardConfig, UpdateCheck, UpdateProbe, ranks_agree, stall_reason
 from adazeta.optim import zeroth_order
 from adazeta.optim.batched import ReplicaClosure
+from adazeta.rundir import Interrupted
 from adazeta.scoring import Batch, Encoded, Scorer
 from adazeta.tasks.objectives import gold_only
 from adazeta.tracking import DivergenceMonitor, Progress, Tracker, peak_memory_mb, sync
@@ -105,6 +106,7 @@ class Outcome:
     best_dev: EvalResult
     test: EvalResult | None  # None when interrupted: the run resumes instead of being tested
     forward_passes: int
+    signal: str | None = None  # interrupted: the stop signal (the lowest rank's, when several processes got one)
     last_state: dict[str, torch.Tensor] | None = None  # train.save=last|both: the trainable state at the end
 
 
@@ -113,12 +115,15 @@ class Checkpoints:
 
     ``save(state)`` writes the loop's state (a dict of tensors and plain values) atomically; ``resume`` is the
     state a previous, interrupted run saved, or None; ``stop()`` returns the reason to stop (a signal's name)
-    or None. The loop checks ``stop()`` once per step, after the step's records are written.
+    or None. The loop checks ``stop()`` once per step, after the step's records are written, and once more
+    before the test evaluation. ``at(phase, where)`` tells the signal handling what the loop is doing
+    (``adazeta.rundir.PHASES``: a training step, or the final evaluation).
     """
 
     def __init__(self, save: Callable[[dict], None], resume: dict | None = None,
-                 stop: Callable[[], str | None] = lambda: None):
-        self.save, self.resume, self.stop = save, resume, stop
+                 stop: Callable[[], str | None] = lambda: None,
+                 at: Callable[[str, str], None] = lambda phase, where: None):
+        self.save, self.resume, self.stop, self.at = save, resume, stop, at
 
 
 @dataclass(frozen=True)
@@ -227,25 +232,43 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
         )
 
     def dev_eval(step: int) -> EvalResult:
+        # A training run stops at the next step boundary; a training-free one finishes its evaluations first.
+        ckpt.at("step" if optimizer is not None else "final", f"the dev evaluation at step {step}")
         result = evaluate(scorer, splits.dev, obj.dev_generation, desc=f"dev@{step}", keep=True)
         if result.n:  # a training-free run without a train split has no dev set
             tracker.log_eval(step, "dev", result.loss, result.score, result.tied)
         return result
 
+    save: Callable[..., None] | None = None  # the loop's state to a checkpoint (a run that trains)
+
+    def final_test(tested_step: int) -> EvalResult:
+        """The test evaluation, as the last thing the run does: a first signal lets it finish; a second stops at
+        once, after a checkpoint of the trained state (the same command then runs the test alone)."""
+        ckpt.at("final", "the final test evaluation")
+        try:
+            result = evaluate(scorer, splits.test, obj.test_generation, desc="test", keep=True)
+            tracker.log_eval(tested_step, "test", result.loss, result.score, result.tied)
+        except Interrupted:
+            if save is not None:
+                save(step, done=(status, reason))
+            raise
+        ckpt.at("save", "the run's record")
+        return result
+
     resume = ckpt.resume
+    status, reason, step = "finished", None, 0
     if resume is None:
         initial = best = dev_eval(0)
         reason = monitor.update(initial.loss, initial.tied) if initial.n else None
         if reason is not None:  # e.g. an adapter init that already overflows: nothing to train from
-            test = evaluate(scorer, splits.test, obj.test_generation, desc="test", keep=True)
-            tracker.log_eval(0, "test", test.loss, test.score, test.tied)
-            return Outcome("diverged", reason, 0, 0, initial, initial, test, 0)
+            status = "diverged"
+            return Outcome(status, reason, 0, 0, initial, initial, final_test(0), 0)
         best_step, best_state = 0, (trainable_state(model) if cfg.keep_best and optimizer else None)
     else:
         initial, best = EvalResult.restore(resume["initial"]), EvalResult.restore(resume["best"])
         best_step, best_state = resume["best_step"], resume["best_state"]
         monitor.load_state_dict(resume["monitor"])
-    status, reason, step, forward_passes = "finished", None, 0, 0
+    forward_passes = 0
 
     if optimizer is not None:
         zo = zeroth_order(optimizer)
@@ -269,14 +292,18 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
             step = resume["step"]
             first_step, forward_passes, last_eval_forwards = step + 1, resume["forward_passes"], resume["last_eval_forwards"]
             stalls = [UpdateCheck(**c) for c in resume.get("stalls", [])]
+        done = resume.get("done") if resume is not None else None
+        if done is not None:  # the checkpoint of a trained run, written before its test evaluation: test it
+            status, reason = done
 
-        def save(at_step: int) -> None:
+        def save(at_step: int, done: tuple[str, str | None] | None = None) -> None:
+            """``done``: training ended (status, reason) and only the test evaluation is left."""
             ckpt.save({
                 "step": at_step, "forward_passes": forward_passes, "last_eval_forwards": last_eval_forwards,
                 "trainable": trainable_state(model), "optimizer": optimizer.state_dict(),
                 "order_gen": order_gen.get_state(), "order": order, "rng": rng_state(),
                 "initial": dataclasses.asdict(initial), "best": dataclasses.asdict(best), "best_step": best_step,
-                "best_state": best_state, "monitor": monitor.state_dict(),
+                "best_state": best_state, "monitor": monitor.state_dict(), "done": done,
                 "stalls": [dataclasses.asdict(c) for c in stalls],
             })
 
@@ -288,7 +315,8 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
                             select_on=cfg.select_on)
         if resume is not None:
             progress.evaluated(best_step, best.score, best.metric, best.loss, best_step)
-        for step in range(first_step, max_steps + 1):
+        for step in range(first_step, (max_steps if done is None else step) + 1):
+            ckpt.at("step", f"step {step}")
             epoch, slot = divmod(step - 1, per_epoch)
             if slot == 0 and step > 1:
                 order = torch.randperm(len(splits.train), generator=order_gen)
@@ -374,27 +402,45 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
                 break
             if out_of_budget:
                 break
-            signal_name = ckpt.stop()
-            if spread is not None and any_rank(signal_name is not None, device):  # every rank stops at this step
-                signal_name = signal_name or "SIGTERM"
-            if signal_name is not None:
+            stop = _stop_request(ckpt, spread, device)  # every rank stops at the same step
+            if stop is not None:
                 save(step)
                 progress.close()
-                return Outcome("interrupted", f"{signal_name} at step {step}", step, best_step, initial, best, None,
-                               forward_passes)
+                return Outcome("interrupted", f"{stop[1]} at step {step}", step, best_step, initial, best, None,
+                               forward_passes, stop[0])
             if cfg.checkpoint_every is not None and step % cfg.checkpoint_every == 0 and step < max_steps:
                 save(step)
         progress.close()
+        ckpt.at("step", "the end of training")
+        # A signal after the loop's last check (a divergence or the forward budget ended it): checkpoint the
+        # trained run and stop before its test evaluation, as at the last step.
+        stop = _stop_request(ckpt, spread, device)
+        if stop is not None:
+            save(step, done=(status, reason))
+            return Outcome("interrupted", f"{stop[1]} at step {step}, before the test evaluation", step, best_step,
+                           initial, best, None, forward_passes, stop[0])
+        if cfg.checkpoint_every is not None:  # a run killed during its test evaluation resumes to the test alone
+            save(step, done=(status, reason))
         last_state = trainable_state(model) if cfg.save in ("last", "both") else None
         if cfg.keep_best and best_state is not None:
             load_trainable_state_(model, best_state)
         elif not cfg.keep_best:
             best_step = step
 
-    test = evaluate(scorer, splits.test, obj.test_generation, desc="test", keep=True)
-    tracker.log_eval(best_step, "test", test.loss, test.score, test.tied)
-    return Outcome(status, reason, step, best_step, initial, best, test, forward_passes,
-                   last_state if optimizer is not None else None)
+    return Outcome(status, reason, step, best_step, initial, best, final_test(best_step), forward_passes,
+                   last_state=last_state if optimizer is not None else None)
+
+
+def _stop_request(ckpt: Checkpoints, spread: Spread | None, device: torch.device) -> tuple[str, str] | None:
+    """(the signal, how the record names it) when a stop signal asked the run to stop, on any rank; else None."""
+    name = ckpt.stop()
+    if spread is None:
+        return (name, name) if name is not None else None
+    got = signals_by_rank(name, device)
+    if not got:
+        return None
+    first = got[min(got)]
+    return first, f"{first} ({'rank' if len(got) == 1 else 'ranks'} {', '.join(str(r) for r in sorted(got))})"
 
 
 def better(result: EvalResult, best: EvalResult, select_on: str) -> bool:
