@@ -12,11 +12,12 @@ run, the one place this package imports late on purpose.
 
 Exit status (README, "Bad input costs one line"):
 
-    0        the run finished or diverged (a result), was skipped as already done, or --help / --cfg printed
+    0        the run finished, diverged or stalled (a result), was skipped as already done, or --help / --cfg printed
     1        the run failed (an error in the run itself, or a write that failed); a sweep with a failed point
     2        usage: a bad flag, override or value, a missing file, a refused run directory: one line on stderr,
              no run starts; a sweep that left out values that could not compose
-    128 + n  stopped by signal n (SIGTERM: 143, SIGINT: 130): checkpointed; the same command resumes
+    128 + n  stopped by signal n (SIGHUP: 129, SIGINT: 130, SIGTERM: 143): recorded; the last line says whether,
+             and from which step, the same command resumes
 """
 
 from __future__ import annotations
@@ -84,15 +85,25 @@ def _main(cfg: DictConfig) -> float | None:
         return None
     if record.get("status") == "interrupted":
         # Stopped by a signal: the run is recorded (and checkpointed, when it could be); a sweep stops here too.
+        _exiting_on_signal()
         print(f"adazeta-run: interrupted ({record.get('reason')}); {resume_hint(record)}", file=sys.stderr)
         sys.exit(128 + signal.Signals[record.get("signal") or "SIGINT"].value)
     received = received_signal()
     if received is not None:
         # A signal during the final evaluation or the record: the run completed first; the signal still stops.
+        _exiting_on_signal()
         print(f"adazeta-run: {received} came too late to stop the run: it completed and is recorded "
               f"({record.get('status')}) in {run_dir}; nothing is left to resume", file=sys.stderr)
         sys.exit(128 + signal.Signals[received].value)
     return main_score(record, "dev")  # what a Hydra sweeper would optimise: dev accuracy, or F1
+
+
+def _exiting_on_signal() -> None:
+    """The run is recorded and this process now exits with its signal's status: a further stop signal (a second
+    Ctrl-C, a scheduler's repeated SIGTERM) must not kill it on the way out, with another status."""
+    for name in ("SIGTERM", "SIGINT", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 class NewRunDir(Callback):
