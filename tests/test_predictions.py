@@ -83,3 +83,28 @@ def test_predictions_of_a_sorted_evaluation_come_back_in_split_order():
     assert p.gold == [2, 0, 1] and p.pred == [2, 0, 1]
     assert p.scores[0] == pytest.approx([0.3, 0.2, 0.9]) and p.scores[2] == pytest.approx([0.1, 0.5])
     assert p.correct == [1.0, 1.0, 1.0]
+
+
+def test_a_runs_code_is_dirty_only_when_its_code_or_config_changed(tmp_path):
+    """A driver appends to a committed results/.../launches.csv as it launches runs: that must not mark them dirty."""
+    import subprocess
+
+    from adazeta.results import git_state
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    for name in ("src/pkg/code.py", "conf/config.yaml", "results/launches.csv", "README.md"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("one\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x")
+    where = tmp_path / "src" / "pkg"
+    assert git_state(where)["dirty"] is False
+    for name in ("results/launches.csv", "README.md"):
+        (tmp_path / name).write_text("two\n")
+    (tmp_path / "src" / "pkg" / "new_untracked.py").write_text("")
+    assert git_state(where)["dirty"] is False
+    (tmp_path / "conf" / "config.yaml").write_text("two\n")
+    assert git_state(where)["dirty"] is True

@@ -19,8 +19,14 @@ PACKAGES = ("adazeta", "torch", "transformers", "peft", "datasets", "hydra-core"
 STATUSES = ("finished", "diverged", "stalled", "failed", "interrupted")
 
 
+# What decides a run's numbers: a change here (committed or not) makes a run's code "dirty"; results, docs and tests
+# do not (an experiment driver appends to a committed results/.../launches.csv as it launches runs).
+CODE_PATHS = (":/src", ":/conf", ":/pyproject.toml", ":/setup.py")
+
+
 def git_state(where: Path | None = None) -> dict[str, Any]:
-    """The commit and dirty flag of the source tree this package runs from (None outside a checkout)."""
+    """The commit and dirty flag of the source tree this package runs from (None outside a checkout): dirty when a
+    tracked file of its code or configuration (``CODE_PATHS``) differs from the commit."""
     where = where or Path(__file__).resolve().parent
 
     def git(*args: str) -> str | None:
@@ -31,7 +37,7 @@ def git_state(where: Path | None = None) -> dict[str, Any]:
         return out.stdout.strip() if out.returncode == 0 else None
 
     commit = git("rev-parse", "HEAD")
-    dirty = None if commit is None else bool(git("status", "--porcelain", "--untracked-files=no"))
+    dirty = None if commit is None else bool(git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS))
     return {"commit": commit, "dirty": dirty}
 
 
