@@ -78,6 +78,8 @@ def test_draws_of_z_are_counted_as_a_step_makes_them(keep, queries, estimator, e
     """z kept: one draw per query; regenerated (a full model): +eps, -2 eps, +eps and the update per query (one-
     sided: +eps, -eps, update), the last restore fused into the update at Q = 1."""
     monkeypatch.setattr(ZOSGD, "KEEP_DIRECTION_BYTES", 2**30 if keep else 0)
+    if not keep:  # a full model: too large to copy either, so restored by the opposite perturbation
+        monkeypatch.setattr(ZOSGD, "KEEP_WEIGHTS_BYTES", 0)
     w = torch.nn.Parameter(torch.randn(50))
     opt = ZOSGD([w], lr=1e-3, estimator=estimator)
     before = w.detach().clone()
