@@ -137,3 +137,18 @@ def test_a_dry_run_of_eval_counts_the_saved_adapters(fixture_data, tmp_path, cap
                                    "dry_run=true")), tmp_path / "dry")
     out = capsys.readouterr().out
     assert "adapter: saved" in out and "adapters         6" in out
+
+
+def test_another_model_of_the_same_architecture_loads_with_a_warning(fixture_data, tmp_path, caplog):
+    import json as _json
+
+    run(compose_cfg(tiny_overrides(fixture_data, "method=adazeta")), tmp_path / "trained")
+    meta_path = tmp_path / "trained" / "adapter" / ADAPTER_CONFIG
+    meta = _json.loads(meta_path.read_text())
+    meta["base_model"]["hub_id"] = "org/some-model"
+    meta_path.write_text(_json.dumps(meta))
+    plain = build(parse(compose_cfg(tiny_overrides(fixture_data, "method=zero_shot")))).model
+    plain.config._name_or_path = "org/another-model"
+    with caplog.at_level("WARNING", logger="adazeta"):
+        load_adapters(plain, tmp_path / "trained" / "adapter")
+    assert "were trained on org/some-model; this model is org/another-model" in caplog.text

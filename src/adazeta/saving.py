@@ -131,11 +131,22 @@ def load_adapters(model: nn.Module, folder: str | Path) -> nn.Module:
         base = meta.get("base_model", {}).get("name", "?")
         raise ConfigError(f"the adapters in {folder} were trained on {base!r}, another architecture than this model's "
                           f"({'; '.join(differ)}); load them onto that model")
+    _warn_other_name(model, meta.get("base_model") or {}, folder)
     entry = ADAPTERS.get(meta["kind"])
     model = entry.builder(model, make_config(entry.config_cls, meta["config"], where=f"{meta_path} config"))
     if not dry:
         _load_into(model, load_file(str(folder / ADAPTER_WEIGHTS)), folder / ADAPTER_WEIGHTS)
     return model
+
+
+def _warn_other_name(model: nn.Module, base: dict[str, Any], folder: Path) -> None:
+    """The same architecture under another name (another fine-tune of it, or a local copy under another path):
+    loaded, with a warning naming both, since a copy's path legitimately differs from its Hub id."""
+    mine = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+    theirs = [str(v) for k, v in base.items() if k in ("hub_id", "path", "gguf_file") and v]
+    if mine and theirs and not any(Path(t).name in mine or Path(mine).name in t for t in theirs):
+        log.warning("the adapters in %s were trained on %s; this model is %s (same architecture): loading them",
+                    folder, " / ".join(theirs), mine)
 
 
 def _load_into(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path, untie: bool = False) -> None:
