@@ -17,13 +17,17 @@ the ranks every ``guard.checksum_every`` steps: ranks that drifted apart stop th
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from adazeta.errors import ConfigError
+
+log = logging.getLogger("adazeta")
 
 
 @dataclass
@@ -148,3 +152,49 @@ def ranks_agree(params: Sequence[torch.Tensor]) -> bool:
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     dist.all_reduce(low, op=dist.ReduceOp.MAX)
     return bool(torch.equal(high, -low))
+
+
+class UpdateGuard:
+    """The training loop's side of the guards: which steps are measured, the measurements in a row that changed no
+    entry, the one warning about rounding, and the stall decision; its state goes into checkpoints."""
+
+    def __init__(self, params: Sequence[torch.Tensor], cfg: GuardConfig, seed: int = 0):
+        self.cfg, self.dtype = cfg, params[0].dtype
+        self.probe = UpdateProbe(params, cfg.sample, seed) if cfg.every else None
+        self.stalls: list[UpdateCheck] = []
+        self.warned = False
+
+    def before(self, step: int) -> bool:
+        """Snapshot the sample when ``step`` is measured; whether it is."""
+        measured = self.probe is not None and step % self.cfg.every == 0
+        if measured:
+            self.probe.before()
+        return measured
+
+    def after(self, optimizer: Any, step: int) -> UpdateCheck:
+        check = self.probe.after(getattr(optimizer, "intended_update", None))
+        if check.changed < 0.5 and not self.stalls and not self.warned:
+            self.warned = True
+            log.warning("step %d changed only %.1f%% of the measured trainable entries (cos(applied, intended) %s): "
+                        "the weights' rounding drops most of each update; raise the learning rate or train in "
+                        "float32", step, 100 * check.changed, "n/a" if math.isnan(check.cosine) else f"{check.cosine:.3f}")
+        self.stalls = self.stalls + [check] if check.changed <= self.cfg.stall_share else []
+        return check
+
+    def stalled(self, optimizer: Any) -> str | None:
+        """The reason to stop as `stalled`, once ``stall_checks`` measurements in a row changed nothing."""
+        if self.cfg.stall_checks and len(self.stalls) >= self.cfg.stall_checks:
+            return stall_reason(self.stalls, self.dtype, getattr(optimizer, "eps", None))
+        return None
+
+    @staticmethod
+    def columns(check: UpdateCheck | None) -> dict[str, float | None]:
+        """metrics.csv's update_changed and update_cosine (blank on unmeasured steps)."""
+        return {"update_changed": None if check is None else round(check.changed, 6),
+                "update_cosine": None if check is None or math.isnan(check.cosine) else round(check.cosine, 6)}
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return [dataclasses.asdict(c) for c in self.stalls]
+
+    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+        self.stalls = [UpdateCheck(**c) for c in state]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import logging
 import math
 import random
 import time
@@ -23,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from adazeta.distributed import Spread, all_sum_, signals_by_rank
 from adazeta.errors import ConfigError
 from adazeta.evaluate import EvalResult, evaluate
-from adazeta.guards import GuardConfig, UpdateCheck, UpdateProbe, ranks_agree, stall_reason
+from adazeta.guards import GuardConfig, UpdateGuard, ranks_agree
 from adazeta.optim import zeroth_order
 from adazeta.optim.batched import ReplicaClosure
 from adazeta.rundir import Interrupted
@@ -34,7 +33,6 @@ from adazeta.tracking import DivergenceMonitor, Progress, Tracker, peak_memory_m
 
 SELECT_ON = ("loss", "metric")
 SAVE = ("best", "last", "both", "none")
-log = logging.getLogger("adazeta")
 
 
 @dataclass
@@ -279,9 +277,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
         order_gen = torch.Generator().manual_seed(loop.seed)  # data order only; perturbations have their own
         order = torch.randperm(len(splits.train), generator=order_gen)
         trainable = [p for group in optimizer.param_groups for p in group["params"]]
-        probe = UpdateProbe(trainable, guard.sample, loop.seed) if guard.every else None
-        stalls: list[UpdateCheck] = []  # the measurements in a row, up to now, that changed no entry
-        warned_rounding = False
+        updates = UpdateGuard(trainable, guard, loop.seed)  # measured updates, the stall stop (adazeta.guards)
         last_eval_forwards, first_step = 0, 1
         if resume is not None:
             load_trainable_state_(model, resume["trainable"])
@@ -291,7 +287,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
             set_rng_state(resume["rng"])
             step = resume["step"]
             first_step, forward_passes, last_eval_forwards = step + 1, resume["forward_passes"], resume["last_eval_forwards"]
-            stalls = [UpdateCheck(**c) for c in resume.get("stalls", [])]
+            updates.load_state_dict(resume.get("stalls", []))
         done = resume.get("done") if resume is not None else None
         if done is not None:  # the checkpoint of a trained run, written before its test evaluation: test it
             status, reason = done
@@ -304,7 +300,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
                 "order_gen": order_gen.get_state(), "order": order, "rng": rng_state(),
                 "initial": dataclasses.asdict(initial), "best": dataclasses.asdict(best), "best_step": best_step,
                 "best_state": best_state, "monitor": monitor.state_dict(), "done": done,
-                "stalls": [dataclasses.asdict(c) for c in stalls],
+                "stalls": updates.state_dict(),
             })
 
         ddp = None
@@ -323,9 +319,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
             chosen = [splits.train[i] for i in order[slot * cfg.batch_size : (slot + 1) * cfg.batch_size].tolist()]
             if obj.trains_on_gold_only:
                 chosen = gold_only(chosen)
-            measured = probe is not None and step % guard.every == 0
-            if measured:
-                probe.before()
+            measured = updates.before(step)
             start = time.perf_counter()
             if zo:
                 n_queries = loop.schedule(epoch)
@@ -349,7 +343,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
             sync(device)
             step_time = time.perf_counter() - start
             norm = float(param_norm(trainable))
-            check = probe.after(getattr(optimizer, "intended_update", None)) if measured else None
+            check = updates.after(optimizer, step) if measured else None
             tracker.log_step(
                 {
                     "step": step,
@@ -361,8 +355,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
                     "step_time_s": round(step_time, 4),
                     "peak_mem_mb": round(peak_memory_mb(device), 1),
                     "param_norm": round(norm, 6),
-                    "update_changed": None if check is None else round(check.changed, 6),
-                    "update_cosine": None if check is None or math.isnan(check.cosine) else round(check.cosine, 6),
+                    **UpdateGuard.columns(check),
                 }
             )
             progress.step(step, loss_value, n_queries, forward_passes)
@@ -371,17 +364,9 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
                 raise RuntimeError(f"the processes' trainable weights differ at step {step} (checksum over "
                                    f"{len(trainable)} tensors): the ranks no longer train one model")
             reason = monitor.non_finite(loss_value)
-            if check is not None:
-                if check.changed < 0.5 and not stalls and not warned_rounding:
-                    warned_rounding = True
-                    log.warning("step %d changed only %.1f%% of the measured trainable entries (cos(applied, intended) "
-                                "%s): the weights' rounding drops most of each update; raise the learning rate or train "
-                                "in float32", step, 100 * check.changed,
-                                "n/a" if math.isnan(check.cosine) else f"{check.cosine:.3f}")
-                stalls = stalls + [check] if check.changed <= guard.stall_share else []
-                if reason is None and guard.stall_checks and len(stalls) >= guard.stall_checks:
-                    status, reason = "stalled", stall_reason(stalls, trainable[0].dtype, getattr(optimizer, "eps", None))
-                    break
+            if reason is None and check is not None and (reason := updates.stalled(optimizer)) is not None:
+                status = "stalled"
+                break
             out_of_budget = budget is not None and forward_passes >= budget
             if cfg.eval_every_forwards is None:
                 due = step % cfg.eval_every == 0
