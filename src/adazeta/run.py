@@ -236,13 +236,12 @@ def run_length(s: Settings, num_train: int) -> RunLength:
     zo = s.optimizer is not None and s.optimizer.config.zeroth_order
     if budget is None or not zo or not getattr(s.schedule.config, "uses_run_epochs", False):
         return length(epochs)
-    central = s.optimizer.config.forwards_per_query == 2
     steps = budget_steps(
         lambda e: SCHEDULES.get(s.schedule.kind).builder(s.schedule.config, e),
         loop,
         per_epoch,
         budget,
-        forwards=(lambda q: 2 * q) if central else (lambda q: q + 1),
+        forwards=s.optimizer.config.forwards,  # the optimizer's declaration: 2Q central, Q + 1 one-sided, ...
         max_steps=s.train.max_steps,
     )
     return length(steps / per_epoch, steps)

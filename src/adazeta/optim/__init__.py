@@ -28,7 +28,10 @@ class OptimizerCapabilities:
     ``zeroth_order``: the loop's ZO contract (step(closure, n_queries=Q)) or first-order (backward, then step());
     ``state_bytes(entries, width)``: bytes of optimizer state for ``entries`` trained entries of ``width`` bytes;
     ``forwards_per_query``: forward passes a query costs (central differences: 2; one-sided: 1, plus one shared);
-    ``batches_queries``: a step's queries run as weight replicas in batched forwards (needs a replicable adapter).
+    ``batches_queries``: a step's queries run as weight replicas in batched forwards (needs a replicable adapter);
+    ``forwards(q)``: forward passes of a step of q queries (the run length from a forward budget reads it);
+    ``parallel_modes``: the ``distributed.mode``s that may spread its work over several processes (first-order:
+    every one, through DDP).
     """
 
     zeroth_order: ClassVar[bool] = False
@@ -43,6 +46,13 @@ class OptimizerCapabilities:
     @property
     def batches_queries(self) -> bool:
         return False
+
+    def forwards(self, queries: int) -> int:
+        return 0
+
+    @property
+    def parallel_modes(self) -> tuple[str, ...]:
+        return ("auto", "query", "data")
 
 
 def check_contract(kind: str, optimizer: Any, cfg: Any = None) -> Any:

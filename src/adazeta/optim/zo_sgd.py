@@ -12,6 +12,7 @@ from adazeta.distributed import StepPlan, all_sum_
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS, OptimizerCapabilities
 from adazeta.optim.batched import auto_chunk, estimate_batched
+from adazeta.optim.engine import ESTIMATORS, SGDRule, Step, UpdateRule
 from adazeta.optim.spsa import (
     NOISE_STREAMS,
     DirectionCache,
@@ -23,7 +24,6 @@ from adazeta.optim.spsa import (
     projected_gradient,
     query_seed,
     _each_draw,
-    zo_update_,
 )
 
 log = logging.getLogger("adazeta")
@@ -31,7 +31,6 @@ log = logging.getLogger("adazeta")
 Closure = Callable[[], torch.Tensor | float]
 
 REDUCTIONS = ("mean", "sum")
-ESTIMATORS = ("central", "one_sided")
 
 
 def _validate(
@@ -47,7 +46,7 @@ def _validate(
     if reduction not in REDUCTIONS:
         raise ConfigError(f"{where}reduction={reduction!r} must be one of {', '.join(REDUCTIONS)}")
     if estimator not in ESTIMATORS:
-        raise ConfigError(f"{where}estimator={estimator!r} must be one of {', '.join(ESTIMATORS)}")
+        raise ConfigError(f"{where}estimator={estimator!r} must be one of {', '.join(sorted(ESTIMATORS))}")
     if noise not in NOISE_STREAMS:
         raise ConfigError(f"{where}noise={noise!r} must be one of {', '.join(NOISE_STREAMS)}")
 
@@ -123,8 +122,10 @@ class ZOSGD(torch.optim.Optimizer):
         query_chunk: int | str = 4,
         noise: str = "per_tensor",
         query_memory: float = 0.05,
+        rule: UpdateRule | None = None,
     ):
         _validate("ZOSGD ", lr, eps, weight_decay, reduction, estimator, noise)
+        self.rule = rule if rule is not None else SGDRule()  # how the step moves (adazeta.optim.engine)
         self.noise = noise
         self._layout: NoiseLayout | None = None
         self.batched_queries = bool(batched_queries)
@@ -143,6 +144,7 @@ class ZOSGD(torch.optim.Optimizer):
         self.n_queries = _check_queries(n_queries)
         self.reduction = reduction
         self.estimator = estimator
+        self.differences = ESTIMATORS[estimator].differences  # the finite differences ``_estimate`` takes
         self.state_step = 0
         self.forward_passes = 0
         self.last_losses: torch.Tensor | None = None
@@ -181,17 +183,16 @@ class ZOSGD(torch.optim.Optimizer):
         cache = DirectionCache(layout, masks, self.KEEP_DIRECTION_BYTES)
 
         self._restore = None  # an estimate may leave its last restoring perturbation to the update's pass
-        if plan is None:
-            losses, grads = self._estimate(closure, params, seeds, masks, cache)
-        else:
-            losses, grads = self._estimate_share(closure, params, seeds, masks, cache, plan)
-        zo_update_(params, seeds, grads, lrs, wds, self.reduction, masks, self.noise, cache, layout, self._restore)
+        losses, grads = ESTIMATORS[self.estimator].estimate(self, closure, params, seeds, masks, cache, plan)
+        update = Step(params, seeds, grads, lrs, wds, masks, layout, cache, self._restore, self.reduction, self.noise,
+                      closure)
+        extra = self.rule.update_(self, update)  # the rule's own forwards (a candidate search), else 0
         self._restore = None
         self._last_update = (seeds, grads, lrs, wds, masks, layout)
-        del cache
+        del cache, update
 
         self.state_step += 1
-        self.forward_passes += len(losses)
+        self.forward_passes += len(losses) + extra
         self.last_losses, self.last_projected_grads = losses, grads
         return losses.mean()
 
@@ -211,7 +212,7 @@ class ZOSGD(torch.optim.Optimizer):
         if cache is None:
             cache = DirectionCache(noise_layout(params, self.noise, self._layout), masks)  # keeps nothing
         if self._replicas(closure):
-            return estimate_batched(closure, params, seeds, self.eps, self.estimator, self._chunk(closure, params),
+            return estimate_batched(closure, params, seeds, self.eps, self.differences, self._chunk(closure, params),
                                     masks, cache)
         return self._estimate_sequential(closure, params, seeds, masks, cache)
 
@@ -260,7 +261,7 @@ class ZOSGD(torch.optim.Optimizer):
         defer = self.FUSE_RESTORE and len(seeds) == 1 and cache.peek(seeds[0]) is None and saved is None
         losses: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
-        if self.estimator == "central":
+        if self.differences == "central":
             for i, seed in enumerate(seeds):
                 z = cache.get(seed)  # None: regenerated on every pass
                 perturb_(params, seed, eps, masks, self.noise, z, layout)
@@ -311,7 +312,7 @@ class ZOSGD(torch.optim.Optimizer):
         Each rank fills the slots of its queries with its losses and projected gradients times its shard's share
         of the minibatch (zeros elsewhere); one all-reduce of the 3Q floats completes them on every rank.
         """
-        q, central = len(seeds), self.estimator == "central"
+        q, central = len(seeds), self.differences == "central"
         mine = plan.queries(q)
         n_losses = 2 * q if central else q + 1
         dtype = torch.promote_types(params[0].dtype, torch.float32)
@@ -325,7 +326,7 @@ class ZOSGD(torch.optim.Optimizer):
         if self._replicas(closure):  # the parameters stay untouched; keep the z a single process keeps
             cache.keep(seeds)
             local_losses, local_grads = (
-                estimate_batched(closure, params, [seeds[i] for i in mine], self.eps, self.estimator,
+                estimate_batched(closure, params, [seeds[i] for i in mine], self.eps, self.differences,
                                  self._chunk(closure, params), masks, cache) if evaluates else (None, None))
         else:  # the other ranks' queries are perturbed and restored too: the same rounding on every rank
             local_losses, local_grads = self._estimate_sequential(closure, params, seeds, masks, cache, mine)
@@ -343,13 +344,16 @@ class ZOSGD(torch.optim.Optimizer):
         return losses, grads
 
     @torch.no_grad()
-    def intended_update(self, index: Sequence[torch.Tensor | None], before: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def intended_update(self, index: Sequence[torch.Tensor | None],
+                        before: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         """The last step's update in exact arithmetic (float64) at entries ``index[i]`` of parameter i (None: all):
         -lr (g + wd w), g = (1/Q or 1) sum_q grad_q z_q with each z_q as drawn; ``before``: those entries (float64)
         before the step. The update applied differs from it by the rounding of the weights' dtype
         (``adazeta.guards``). Draws each z once more, a chunk at a time: no copy of the weights."""
         if self._last_update is None:
             raise RuntimeError("intended_update() before any step")
+        if not self.rule.exact:  # another rule's move is not this sum (its cosine is left blank)
+            return None
         seeds, grads, lrs, wds, masks, layout = self._last_update
         scale = 1.0 / len(seeds) if self.reduction == "mean" else 1.0
         out = [-(lr * wd) * b for b, lr, wd in zip(before, lrs, wds)]
@@ -380,12 +384,17 @@ class ZOSGD(torch.optim.Optimizer):
             "n_queries": self.n_queries,
             "noise": self.noise,
         }
+        if not isinstance(self.rule, SGDRule):  # plain SGD keeps nothing; checkpoints before rules hold no entry
+            state["rule"] = self.rule.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         zo = state_dict.pop("zo", None)
+        rule = state_dict.pop("rule", None)
         super().load_state_dict(state_dict)
+        if rule is not None or not isinstance(self.rule, SGDRule):
+            self.rule.load_state_dict(rule or {"name": "sgd"}, [p for g in self.param_groups for p in g["params"]])
         if zo is not None:
             saved = zo.get("noise", "per_tensor")  # checkpoints from before the choice used per_tensor
             if saved != self.noise:
@@ -433,16 +442,33 @@ class ZOSGDConfig(OptimizerCapabilities):
 
     @property
     def forwards_per_query(self) -> int:
-        return 2 if self.estimator == "central" else 1  # one_sided: plus one unperturbed forward a step
+        forwards = ESTIMATORS[self.estimator].forwards
+        return forwards(1) - forwards(0)  # what one more query costs (one_sided: 1, plus one unperturbed a step)
+
+    def forwards(self, queries: int) -> int:
+        return ESTIMATORS[self.estimator].forwards(queries)
 
     @property
     def batches_queries(self) -> bool:
         return bool(self.batched_queries)
 
+    @property
+    def parallel_modes(self) -> tuple[str, ...]:
+        return ESTIMATORS[self.estimator].parallel
+
     def __post_init__(self) -> None:
         _validate("method.optimizer.", self.lr, self.eps, self.weight_decay, self.reduction, self.estimator, self.noise)
         _check_chunk("method.optimizer.", self.query_chunk)
         _check_memory("method.optimizer.", self.query_memory)
+        if self.batched_queries and not ESTIMATORS[self.estimator].batched:
+            raise ConfigError(f"method.optimizer.estimator={self.estimator} evaluates no weight replicas; set "
+                              "method.optimizer.batched_queries=false")
+
+
+def zo_settings(cfg: ZOSGDConfig) -> dict[str, Any]:
+    """The ZOSGD constructor's keyword arguments from a config (every ZO-SGD field, under its own name): an
+    optimizer built on the engine passes them through, so new ZO-SGD options reach it too."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ZOSGDConfig)}
 
 
 @OPTIMIZERS.register("zo_sgd", ZOSGDConfig)

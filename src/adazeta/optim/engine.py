@@ -1,0 +1,185 @@
+"""The zeroth-order engine in two registered pieces: a perturbation estimator and an update rule.
+
+A ZO step (``ZOSGD.step``) is
+
+    losses, g = estimator(closure, directions z_1 .. z_Q)      # which forwards, how losses become g_q
+    w <- rule(w, g_hat),  g_hat = (1/Q or 1) sum_q g_q z_q      # how the step moves, what it keeps
+
+- An **estimator** (``ESTIMATORS``) decides how many forwards a query costs and how its losses combine into one
+  coefficient g_q per direction z_q: central differences (MeZO), one-sided differences, ES's fitness shaping,
+  or a forward-mode directional derivative. The directions are the seeded Gaussian stream of
+  ``adazeta.optim.spsa``, so every estimator works with every trainable set, mask, noise stream and schedule.
+- An **update rule** (``UpdateRule``) turns the estimate into a move: plain SGD (ZO-SGD: applied straight from
+  the seeds, g_hat never materialised), sign, momentum, Adam, the conservative candidate search, ... A rule other
+  than SGD gets g_hat as tensors (``Step.dense``) and keeps its state per parameter (checkpointed with the run).
+
+An optimizer is a pair of them plus its config: ``zo_adam`` is ZO-SGD's estimator with the Adam rule. A new one
+is one Python file in this package (its config dataclass, declaring its capabilities, its rule or estimator, and a
+builder registered in ``OPTIMIZERS``) and one YAML in ``conf/optimizer/``. Optimizers whose directions are not
+the seeded Gaussian stream (HiZOO, LOZO, ZO-Muon) override ``ZOSGD._estimate`` and bring their own rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
+
+import torch
+
+from adazeta.optim.spsa import DirectionCache, Masks, NoiseLayout, _each_draw, perturb_, zo_update_
+
+if TYPE_CHECKING:
+    from adazeta.distributed import StepPlan
+    from adazeta.optim.zo_sgd import ZOSGD
+
+Closure = Callable[[], Any]
+
+
+@dataclasses.dataclass
+class Step:
+    """What one step's update needs: the parameters, the estimate, and the closure (a rule may evaluate more)."""
+
+    params: list[torch.Tensor]
+    seeds: list[int]
+    grads: torch.Tensor  # (Q,) g_q, one per direction, on the device
+    lrs: list[float]
+    wds: list[float]
+    masks: Masks
+    layout: NoiseLayout
+    cache: DirectionCache
+    restore: tuple[int, float] | None  # an estimate's last perturbation, still to undo (``zo_update_``)
+    reduction: str
+    noise: str
+    closure: Closure | None = None
+
+    def settle(self) -> None:
+        """Undo the estimate's pending perturbation (if any): the weights are w again."""
+        if self.restore is not None:
+            seed, scale = self.restore
+            perturb_(self.params, seed, scale, self.masks, self.noise, self.cache.peek(seed), self.layout)
+            self.restore = None
+
+    @torch.no_grad()
+    def dense(self) -> list[torch.Tensor]:
+        """g_hat = (1/Q or 1) sum_q g_q z_q for every parameter, shaped like it, in at least float32; each z_q
+        drawn as the estimate drew it (the same seeds, masks and noise stream), a chunk at a time."""
+        self.settle()
+        layout = self.layout
+        out = [torch.zeros(f.shape, dtype=torch.promote_types(f.dtype, torch.float32), device=f.device)
+               for f in layout.flat]
+        scale = 1.0 / len(self.seeds) if self.reduction == "mean" else 1.0
+        for seed, coef in zip(self.seeds, self.grads.reshape(-1) * scale):
+            kept = self.cache.peek(seed)
+            if kept is not None:
+                for i, z in enumerate(kept):
+                    out[i].add_(z.to(out[i].dtype) * coef.to(out[i].device, out[i].dtype))
+                continue
+
+            def gather(index: list[int], views: list[torch.Tensor], zs: list[torch.Tensor], coef=coef) -> None:
+                for i, view, z in zip(index, views, zs):
+                    start = (view.data_ptr() - layout.flat[i].data_ptr()) // view.element_size()
+                    out[i][start : start + z.numel()].add_(z.reshape(-1).to(out[i].dtype) * coef.to(out[i].dtype))
+
+            _each_draw(layout, seed, self.masks, gather)
+        return [g.view(p.shape) for g, p in zip(out, self.params)]
+
+
+class UpdateRule:
+    """How a ZO step moves the weights from its estimate, and what it keeps between steps.
+
+    ``update_(opt, step)`` moves ``step.params`` in place and returns the forwards it evaluated itself (0 for
+    most rules). ``state``: one dict of tensors per parameter (index order), saved with the optimizer's
+    state_dict so that a resumed run continues bit for bit. ``buffers``: tensors of the parameter's size it
+    keeps per parameter (the dry run's memory estimate reads it through the config's ``state_bytes``).
+    ``exact``: the guard's intended update (``ZOSGD.intended_update``) describes this rule (plain SGD only).
+    """
+
+    name: ClassVar[str] = "sgd"
+    buffers: ClassVar[int] = 0
+    exact: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.state: list[dict[str, torch.Tensor]] = []
+
+    def update_(self, opt: "ZOSGD", step: Step) -> int:
+        raise NotImplementedError
+
+    def slots(self, params: Sequence[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """The per-parameter state, created empty on the first step."""
+        if len(self.state) != len(params):
+            self.state = [{} for _ in params]
+        return self.state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "state": [{k: v.detach().cpu().clone() for k, v in s.items()} for s in self.state]}
+
+    def load_state_dict(self, saved: dict[str, Any], params: Sequence[torch.Tensor]) -> None:
+        from adazeta.errors import ConfigError
+
+        if saved.get("name") != self.name:
+            raise ConfigError(f"the checkpoint's ZO update rule is {saved.get('name')!r}, this run's is {self.name!r}: "
+                              "resume with the optimizer that wrote it")
+        self.state = [{k: v.to(p.device) for k, v in s.items()} for s, p in zip(saved["state"], params)]
+
+
+class SGDRule(UpdateRule):
+    """ZO-SGD's update, w <- w - lr (g_hat + wd w), applied straight from the seeds (``spsa.zo_update_``): g_hat is
+    never materialised and a full model's z is redrawn a chunk at a time (MeZO's memory)."""
+
+    name = "sgd"
+    exact = True
+
+    def update_(self, opt: "ZOSGD", step: Step) -> int:
+        zo_update_(step.params, step.seeds, step.grads, step.lrs, step.wds, step.reduction, step.masks, step.noise,
+                   step.cache, step.layout, step.restore)
+        step.restore = None
+        return 0
+
+
+def decay_(params: Sequence[torch.Tensor], lrs: Sequence[float], wds: Sequence[float]) -> None:
+    """w <- w (1 - lr wd): decoupled weight decay, on the parameters whose group decays."""
+    for p, lr, wd in zip(params, lrs, wds):
+        if wd > 0:
+            p.mul_(1.0 - lr * wd)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """How a step's queries are evaluated and their losses combined into one g_q per direction.
+
+    ``forwards(q)``: forward passes of a step of q queries; ``batched``: whether ``batched_queries`` (weight
+    replicas) applies; ``parallel``: the ``distributed.mode``s that can spread its queries or data.
+    ``estimate(opt, closure, params, seeds, masks, cache, plan)`` -> (every loss evaluated, g of each query).
+    """
+
+    name: str
+    forwards: Callable[[int], int]
+    estimate: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    batched: bool = True
+    parallel: tuple[str, ...] = ("auto", "query", "data")
+    differences: str = "central"  # the finite differences ``ZOSGD``'s own evaluation takes (central, one_sided)
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_estimator(estimator: Estimator) -> Estimator:
+    if estimator.name in ESTIMATORS:
+        raise KeyError(f"ZO estimator {estimator.name!r} is registered twice")
+    ESTIMATORS[estimator.name] = estimator
+    return estimator
+
+
+def _differences(opt: "ZOSGD", closure: Closure, params: Sequence[torch.Tensor], seeds: Sequence[int], masks: Masks,
+                 cache: DirectionCache, plan: "StepPlan | None") -> tuple[torch.Tensor, torch.Tensor]:
+    """Finite differences (central or one-sided: the estimator's ``differences``), evaluated one forward per loss,
+    in batched forwards over weight replicas, or spread over ranks (``plan``)."""
+    if plan is None:
+        return opt._estimate(closure, params, seeds, masks, cache)
+    return opt._estimate_share(closure, params, seeds, masks, cache, plan)
+
+
+# MeZO's estimator: g_q = (L(w + eps z) - L(w - eps z)) / (2 eps), 2Q forwards a step.
+register_estimator(Estimator("central", lambda q: 2 * q, _differences))
+# One-sided: g_q = (L(w + eps z) - L(w)) / eps, Q + 1 forwards (one unperturbed), biased by O(eps).
+register_estimator(Estimator("one_sided", lambda q: q + 1, _differences, differences="one_sided"))

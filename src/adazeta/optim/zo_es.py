@@ -1,0 +1,55 @@
+"""ES: the evolution-strategies estimator of ES fine-tuning (Salimans et al. 2017; Qiu et al. 2025, "Evolution
+Strategies at Scale: LLM Fine-Tuning Beyond RL"), on the engine's directions.
+
+A step's population is the 2Q antithetic members w + sigma z_q and w - sigma z_q (sigma is ``eps``), each
+evaluated once. Their fitness is the negative loss, z-scored over the population (s_n = (L_n - mean L) / std L,
+population std; all equal: no move), and the update is ES's
+
+    w <- w - lr (1 / 2Q) sum_q (s_q+ - s_q-) z_q
+
+which is ZO-SGD's update with g_q = (s_q+ - s_q-) / 2 (reduction mean). The z-scoring makes the step's size
+independent of the loss's scale and of sigma: lr is ES's alpha. Batched queries and query- or data-parallel runs
+apply as for central differences (the shaping needs all 2Q losses: after the ranks' sum).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import torch
+
+from adazeta.optim import OPTIMIZERS
+from adazeta.optim.engine import Estimator, _differences, register_estimator
+from adazeta.optim.spsa import decay_groups
+from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, zo_settings
+
+
+def fitness_shaped(losses: torch.Tensor) -> torch.Tensor:
+    """g_q = (s_q+ - s_q-) / 2 from the central losses [L1+, L1-, L2+, L2-, ...], s the z-scored losses."""
+    spread = losses.std(unbiased=False)
+    if not bool(spread > 0):
+        return torch.zeros(losses.numel() // 2, dtype=losses.dtype, device=losses.device)
+    shaped = (losses - losses.mean()) / spread
+    return (shaped[0::2] - shaped[1::2]) / 2
+
+
+def _es(opt, closure, params, seeds, masks, cache, plan) -> tuple[torch.Tensor, torch.Tensor]:
+    losses, _ = _differences(opt, closure, params, seeds, masks, cache, plan)
+    return losses, fitness_shaped(losses)
+
+
+register_estimator(Estimator("es", lambda q: 2 * q, _es))
+
+
+@dataclasses.dataclass
+class ESConfig(ZOSGDConfig):
+    """ES: antithetic population of 2Q members, z-scored fitness, SGD step of size lr."""
+
+    lr: float = 5e-4  # ES's alpha (Qiu et al. 2025: 5e-4 with sigma 1e-3 on full models)
+    estimator: str = "es"
+
+
+@OPTIMIZERS.register("es", ESConfig)
+def build_es(named_params: Iterable[tuple[str, torch.Tensor]], cfg: ESConfig, seed: int) -> ZOSGD:
+    return ZOSGD(decay_groups(named_params, cfg.weight_decay), seed=seed, **zo_settings(cfg))
