@@ -67,6 +67,11 @@ CASES = {
                                 "method.optimizer.batched_queries=true"],
     "mezo_lora-data": ["method=mezo_lora", "distributed.mode=data"],
     "lora-ddp": ["method=lora", "method.optimizer.lr=1e-2"],
+    # Rules with state and estimators that shape the losses: every rank computes the same update from the summed
+    # estimate, so two processes still train one model.
+    "zo_adam-query": ["method=adazeta", "optimizer@method.optimizer=zo_adam", "schedule=constant", "schedule.q=4",
+                      "distributed.mode=query"],
+    "es-data": ["method=mezo_lora", "optimizer@method.optimizer=es", "distributed.mode=data"],
 }
 
 

@@ -105,6 +105,13 @@ def preflight(s: Settings) -> None:
                 f"model.device_map={s.model.device_map} with several processes: each process would spread the model "
                 "over every GPU; use one process with model.device_map, or torchrun without it"
             )
+    if s.optimizer is not None and distributed.launch_env() is not None \
+            and s.distributed.mode not in s.optimizer.config.parallel_modes:
+        ways = ", ".join(s.optimizer.config.parallel_modes) or "none: it runs on one process"
+        raise ConfigError(
+            f"optimizer {s.optimizer.kind!r} cannot spread its work over processes with distributed.mode="
+            f"{s.distributed.mode} (modes it supports: {ways}); launch one process or choose another mode"
+        )
     if s.dry_run:
         return
     resolve_device(s.model.device)  # model.device=cuda on a machine without one: stop before any data is read

@@ -6,7 +6,8 @@ One query costs one forward (a jvp: the forward plus its tangents, about twice a
 activations' tangents in memory, no stored graph). The closure must expose its model (``closure.model``: the
 training loop's classification and LM objectives do), whose trainable parameters are swapped for the jvp's
 inputs while it runs; a generation objective (F1 of sampled answers) has no derivative and is refused. ``eps``
-is unused. Queries run one after another on one process.
+is unused. Queries run one after another on one process; attention runs through the math kernel (the fused
+kernels have no forward-mode derivative).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
@@ -65,7 +67,9 @@ def _forward_grad(opt: ZOSGD, closure, params, seeds, masks, cache, plan) -> tup
                 loss = torch.as_tensor(closure())  # not _as_loss: detaching would drop the tangent
             return loss.reshape(()).to(torch.promote_types(loss.dtype, torch.float32))
 
-        with torch.enable_grad():  # forward-mode AD; no graph is kept (nothing requires a backward)
+        # Forward-mode AD (no graph is kept: nothing asks for a backward), through the math attention kernel: the
+        # fused CPU / flash kernels have no forward-mode derivative.
+        with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
             loss, derivative = torch.func.jvp(loss_at, tuple(p.detach() for p in params), tuple(z))
         losses.append(loss.detach())
         grads.append(derivative.detach().to(loss.dtype))
