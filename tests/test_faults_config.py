@@ -62,6 +62,7 @@ CASES = [
     ([], ["method=ft", "schedule=adaptive"], "schedule=adaptive is ignored: method 'ft' makes no zeroth-order"),
     ([], ["method=zero_shot", "schedule=constant", "schedule.q=4"], "schedule=constant is ignored"),
     ([], ["method=mezo", "train.grad_accum=2"], "train.grad_accum=2 is ignored: method 'mezo' takes no backward"),
+    ([], ["train.gradient_checkpointing=true"], "gradient_checkpointing=true is ignored: method 'adazeta' takes no"),
     ([], ["divergence.rule=none", "divergence.factor=2"], "divergence.factor=2 is ignored: divergence.rule=none"),
     ([], ["divergence.collapse=false", "divergence.collapse_fraction=0.9"], "collapse_fraction=0.9 is ignored"),
     # settings that mean nothing

@@ -1,13 +1,15 @@
 """Peak memory of one training step per method, on the same model and the same batch.
 
-    python -m adazeta.bench_memory                       # SmolLM2-135M, 16 SST-2 prompts, eight methods
+    python -m adazeta.bench_memory                       # SmolLM2-135M, 16 SST-2 prompts, eleven rows
     python -m adazeta.bench_memory --methods inference adazeta --steps 3 --set model.dtype=bf16
 
 Each method runs in a fresh subprocess, because a process's peak resident memory can only grow: a shared
 process would report the largest method for all. In each subprocess the model, adapter, optimizer and batch
 are built first, as a run wires them (``adazeta.run.build``); then the memory high-water mark is reset and
 ``--steps`` steps run (a forward for ``inference``, a ZO-SGD step for ZO methods, an AdamW step for first-order
-ones). Reported:
+ones). A row named ``<method>_gc`` (``lora_gc``, ``tt_adapter_gc``) is that first-order method with
+``train.gradient_checkpointing=true``: backprop that recomputes each layer's activations instead of keeping them,
+the memory-matched first-order baseline beside the ZO rows. Reported:
 - on the CPU, the peak resident set size during the steps (``VmHWM`` after resetting it through
   ``/proc/self/clear_refs``), so that the transient of loading and dequantizing the model does not hide the
   step's own peak; the whole-process peak (``ru_maxrss``, what a run records) is reported beside it;
@@ -33,7 +35,11 @@ from pathlib import Path
 
 from adazeta.offline import use_shared
 
-METHODS = ["inference", "ft", "lora", "mezo", "sparse_mezo", "mezo_lora", "mezo_adapter", "adazeta"]
+METHODS = [
+    "inference", "ft", "lora", "lora_gc", "tt_adapter", "tt_adapter_gc", "mezo", "sparse_mezo", "mezo_lora",
+    "mezo_adapter", "adazeta",
+]
+CHECKPOINTED = "_gc"  # a row name's suffix: its method with activation checkpointing
 COLUMNS = [
     "method", "trainable_params", "peak_mem_mb", "ratio", "process_peak_mem_mb", "process_ratio", "step_s", "device",
     "measure",
@@ -69,19 +75,29 @@ def _release_free_heap() -> None:
         pass
 
 
+def row_overrides(row: str) -> list[str]:
+    """The ``adazeta-run`` overrides that choose a row's method: ``inference`` is zero-shot's forward, and
+    ``<method>_gc`` the method with activation checkpointing."""
+    if row == "inference":
+        return ["method=zero_shot"]
+    if row.endswith(CHECKPOINTED):
+        return [f"method={row.removesuffix(CHECKPOINTED)}", "train.gradient_checkpointing=true"]
+    return [f"method={row}"]
+
+
 def worker(method: str, args: argparse.Namespace) -> dict:
-    """Build one method's model, optimizer and batch (``adazeta.run.build``); measure ``args.steps`` steps. Runs in
+    """Build one row's model, optimizer and batch (``adazeta.run.build``); measure ``args.steps`` steps. Runs in
     its own process."""
     import torch
 
     from adazeta.optim import zeroth_order
-    from adazeta.run import build, compose_settings, seed_everything
+    from adazeta.run import build, compose_settings, preflight, seed_everything
     from adazeta.train import first_order_step
 
     overrides = [
         f"model={args.model}",
         f"task={args.task}",
-        f"method={'zero_shot' if method == 'inference' else method}",
+        *row_overrides(method),
         f"train.batch_size={args.batch_size}",
         f"data.num_train={args.batch_size}",
         "data.num_dev=8",
@@ -90,6 +106,7 @@ def worker(method: str, args: argparse.Namespace) -> dict:
         *args.set,
     ]
     s = compose_settings(overrides)
+    preflight(s)  # as a run checks its settings: a `_gc` row of a ZO or training-free method is refused
     seed_everything(s.seed)
     built = build(s)  # model + adapter, task data, optimizer: as a run wires them
     optimizer, device, scorer = built.optimizer, built.device, built.scorer
@@ -174,7 +191,9 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", nargs="+", default=METHODS, help="method configs; 'inference' = a forward only")
+    parser.add_argument("--methods", nargs="+", default=METHODS,
+                        help="method configs; 'inference' = a forward only; '<method>_gc' = the method with "
+                             "train.gradient_checkpointing=true")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--task", default="sst2")
     parser.add_argument("--batch-size", type=int, default=16)

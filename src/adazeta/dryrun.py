@@ -29,13 +29,14 @@ def memory_estimate(
 
     Activations for backward follow Korthikanti et al. (2022): per layer s*b*h*(34 + 5*a*s/h) bytes in 16-bit,
     scaled to the backbone's dtype. First-order methods keep them for every layer even when only adapters or
-    LoRA train, since backward runs through the whole frozen network; a ZO or inference forward keeps only
-    about two layers' worth at a time (times ``query_chunk`` with batched queries, whose forward replicates the
-    minibatch). Trained backbone weights (ft, mezo) keep the backbone's dtype, adapters are fp32; gradients
-    and AdamW's two moments take the trained parameters' dtype. A ZO step adds one noise tensor shaped like the
-    largest trained parameter (``largest`` entries), as it draws z on a GPU (a CPU draws a large weight's z a
-    32 K-entry slice at a time, so this is its upper bound there); Sparse-MeZO's magnitude mask is one bit per
-    entry (its random mask is redrawn, never kept).
+    LoRA train, since backward runs through the whole frozen network; with ``train.gradient_checkpointing`` they
+    keep each layer's input hidden states (s*b*h values) and one layer's activations at a time, recomputed in
+    backward. A ZO or inference forward keeps only about two layers' worth at a time (times ``query_chunk`` with
+    batched queries, whose forward replicates the minibatch). Trained backbone weights (ft, mezo) keep the
+    backbone's dtype, adapters are fp32; gradients and AdamW's two moments take the trained parameters' dtype. A ZO
+    step adds one noise tensor shaped like the largest trained parameter (``largest`` entries), as it draws z on a
+    GPU (a CPU draws a large weight's z a 32 K-entry slice at a time, so this is its upper bound there);
+    Sparse-MeZO's magnitude mask is one bit per entry (its random mask is redrawn, never kept).
     """
     arch = architecture_summary(s.model)
     h = arch["hidden_size"] or 0
@@ -49,7 +50,10 @@ def memory_estimate(
     cfg = s.optimizer.config if s.optimizer else None
     zeroth_order = cfg is not None and cfg.zeroth_order
     first_order = cfg is not None and not zeroth_order
-    activations = per_layer * (layers if first_order else 2)
+    if first_order and s.train.gradient_checkpointing:
+        activations = layers * seq_len * b * h * width + per_layer
+    else:
+        activations = per_layer * (layers if first_order else 2)
     if zeroth_order and cfg.batches_queries:
         if cfg.query_chunk == "auto":  # as many copies as fit in query_memory x the inference forward's memory
             activations += cfg.query_memory * (weights + activations)

@@ -442,6 +442,27 @@ def device_map_of(model: nn.Module) -> dict[str, str]:
     return {k: str(v) for k, v in placed.items()} if placed else {}
 
 
+def enable_gradient_checkpointing_(model: nn.Module) -> None:
+    """Recompute each layer's activations in backward instead of keeping them (``train.gradient_checkpointing``).
+
+    Set on the transformers model inside the adapter's wrapping (peft's ``PeftModel`` holds it; the TT and
+    bottleneck adapters change it in place), so that each of its layers runs under ``torch.utils.checkpoint`` in
+    training mode; evaluation (``model.eval()``) runs as before. Non-reentrant checkpointing takes gradients to the
+    trainable parameters inside a layer even when the layer's input needs none (frozen embeddings), and recomputes
+    with the forward's RNG state (the same dropout masks), so a step's update is the uncheckpointed one up to
+    rounding.
+    """
+    from transformers import PreTrainedModel
+
+    backbone = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if backbone is None or not backbone.supports_gradient_checkpointing:
+        raise ConfigError(f"train.gradient_checkpointing=true: {type(backbone or model).__name__} does not support "
+                          "gradient checkpointing; set train.gradient_checkpointing=false")
+    # transformers 5 renamed the method (the old name warns, and goes in v6); older versions have only the old name.
+    enable = getattr(backbone, "activation_checkpointing_enable", None) or backbone.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
+
+
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(total, trainable) parameter counts; tied weights are counted once."""
     seen: set[int] = set()

@@ -36,6 +36,7 @@ from adazeta.models import (
     LoadedModel,
     count_parameters,
     device_map_of,
+    enable_gradient_checkpointing_,
     load_model,
     resolve_device,
     resolve_source,
@@ -50,7 +51,7 @@ from adazeta.saving import model_card, save_adapters
 from adazeta.optim.batched import replica_sites
 from adazeta.schedules import SCHEDULES, Schedule, budget_steps, mean_queries
 from adazeta.scoring import Encoded, Scorer, encode, packing_supported
-from adazeta.settings import Component, Settings, parse  # noqa: F401  (re-exported)
+from adazeta.settings import Component, Settings, parse, unused_keys  # noqa: F401  (Component, parse: re-exported)
 from adazeta.tasks.loaders import TaskData, check_data, load_task, split_rows, validate_local_rows
 from adazeta.tasks.spec import render
 from adazeta.tasks.objectives import build_objective
@@ -94,6 +95,9 @@ def preflight(s: Settings) -> None:
     if hidden and hasattr(s.adapter.config, "check_hidden"):
         s.adapter.config.check_hidden(hidden)
     s.adapter.config.check_ready()
+    why = unused_keys(s).get("train.gradient_checkpointing")
+    if why is not None:  # from a config file: a command line setting it is refused earlier (adazeta.overrides)
+        raise ConfigError(f"train.gradient_checkpointing=true: {why}")
     if s.model.device_map is not None:
         if s.optimizer is not None and not s.optimizer.config.zeroth_order:
             raise ConfigError(
@@ -183,6 +187,8 @@ def build(s: Settings, loaded: LoadedModel | None = None, data: TaskData | None 
     if s.model.dtype != "fp32" and s.adapter.config.trains_backbone and s.optimizer and s.optimizer.config.zeroth_order:
         log.warning("ZO perturbations of %s weights lose precision; prefer model.dtype=fp32", s.model.dtype)
     model = ADAPTERS.get(s.adapter.kind).builder(loaded.model, s.adapter.config)
+    if s.train.gradient_checkpointing:  # first-order methods only (preflight)
+        enable_gradient_checkpointing_(model)
     total, trainable = count_parameters(model)
     log.info("model %s from %s on %s: %s parameters, %s trainable (%s)", s.model.name, loaded.source.kind,
              loaded.device, f"{total:,}", f"{trainable:,}", s.adapter.kind)

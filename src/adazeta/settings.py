@@ -196,6 +196,9 @@ def unused_keys(s: Settings) -> dict[str, str]:
     if not first_order and s.train.grad_accum > 1:
         unused["train.grad_accum"] = (f"method {s.method!r} takes no backward pass, and train.grad_accum splits a "
                                       "first-order step into micro-batches; leave it at 1")
+    if not first_order and s.train.gradient_checkpointing:
+        unused["train.gradient_checkpointing"] = (f"method {s.method!r} takes no backward pass, so it keeps no "
+                                                  "activations for checkpointing to recompute; leave it false")
     if s.divergence.rule == "none":
         for key in ("factor", "patience"):
             unused[f"divergence.{key}"] = ("divergence.rule=none has no dev-loss rule; set divergence.rule=best (or "

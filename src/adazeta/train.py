@@ -42,6 +42,10 @@ class TrainConfig:
     eval_every: int = 200  # dev evaluation period in steps (200 in AdaZeta's Llama-2-7B runs)
     eval_batch_size: int = 32  # examples per evaluation forward; memory only, never changes results
     grad_accum: int = 1  # first-order only: micro-batches per step (gradients summed over all of them)
+    # First-order only: recompute each layer's activations in the backward pass instead of keeping them from the
+    # forward (activation checkpointing): the same updates up to rounding for far less activation memory and about
+    # one more forward per micro-batch (not counted in forward_passes: it is the same step); evaluation unchanged.
+    gradient_checkpointing: bool = False
     keep_best: bool = True  # restore the best-dev-loss trainable state before the test evaluation
     max_forward_passes: int | None = None  # stop once this many forwards were spent (equal-compute comparisons)
     # Evaluate dev each time this many more forward passes were spent, instead of every `eval_every` steps: equal
