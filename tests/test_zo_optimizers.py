@@ -361,3 +361,18 @@ def test_an_optimizer_without_a_parallel_mode_is_refused_on_several_processes(ki
         run(compose_cfg(tiny_overrides(data_dir, "method=mezo_lora", f"optimizer@method.optimizer={kind}")),
             tmp_path / "run")
     assert not (tmp_path / "run").exists()  # refused before any work
+
+
+def test_memory_benchmark_has_a_row_per_optimizer_with_its_forwards(data_dir):
+    import argparse
+
+    from adazeta import bench_memory
+
+    assert {f"adazeta+{k}" for k in KINDS} <= set(bench_memory.METHODS)
+    assert bench_memory.row_overrides("adazeta+zo_adam") == ["method=adazeta", "optimizer@method.optimizer=zo_adam"]
+    args = argparse.Namespace(model="tiny-llama", task="rte", batch_size=4, steps=2, set=[f"data.dir={data_dir}"])
+    for kind in ("zo_cons", "forward_grad"):
+        row = bench_memory.worker(f"adazeta+{kind}", args)
+        # the adazeta method's schedule asks one query a step at its first epoch
+        assert row["forwards_per_step"] == OPTIMIZERS.config(kind).forwards(1), row
+        assert row["s_per_forward"] > 0 and row["peak_mem_mb"] > 0

@@ -1,6 +1,6 @@
 """Peak memory of one training step per method, on the same model and the same batch.
 
-    python -m adazeta.bench_memory                       # SmolLM2-135M, 16 SST-2 prompts, eleven rows
+    python -m adazeta.bench_memory                       # SmolLM2-135M, 16 SST-2 prompts, twenty rows
     python -m adazeta.bench_memory --methods inference adazeta --steps 3 --set model.dtype=bf16
 
 Each method runs in a fresh subprocess, because a process's peak resident memory can only grow: a shared
@@ -9,7 +9,9 @@ are built first, as a run wires them (``adazeta.run.build``); then the memory hi
 ``--steps`` steps run (a forward for ``inference``, a ZO-SGD step for ZO methods, an AdamW step for first-order
 ones). A row named ``<method>_gc`` (``lora_gc``, ``tt_adapter_gc``) is that first-order method with
 ``train.gradient_checkpointing=true``: backprop that recomputes each layer's activations instead of keeping them,
-the memory-matched first-order baseline beside the ZO rows. Reported:
+the memory-matched first-order baseline beside the ZO rows. A row named ``<method>+<optimizer>``
+(``adazeta+zo_adam``, ...) is the method trained by another optimizer option: one row per ZO optimizer of the
+field, on TT adapters, with its forwards per step and seconds per forward beside its memory. Reported:
 - on the CPU, the peak resident set size during the steps (``VmHWM`` after resetting it through
   ``/proc/self/clear_refs``), so that the transient of loading and dequantizing the model does not hide the
   step's own peak; the whole-process peak (``ru_maxrss``, what a run records) is reported beside it;
@@ -35,14 +37,18 @@ from pathlib import Path
 
 from adazeta.offline import use_shared
 
+# The field's ZO optimizers on AdaZeta's TT adapters, a row each (``adazeta+<optimizer>``).
+OPTIMIZER_ROWS = [f"adazeta+{kind}" for kind in (
+    "zo_sign", "zo_momentum", "zo_adam", "zo_cons", "es", "forward_grad", "hizoo", "lozo", "zo_muon")]
 METHODS = [
     "inference", "ft", "lora", "lora_gc", "tt_adapter", "tt_adapter_gc", "mezo", "sparse_mezo", "mezo_lora",
-    "mezo_adapter", "adazeta",
+    "mezo_adapter", "adazeta", *OPTIMIZER_ROWS,
 ]
 CHECKPOINTED = "_gc"  # a row name's suffix: its method with activation checkpointing
+WITH_OPTIMIZER = "+"  # ``<method>+<optimizer>``: the method with another optimizer option
 COLUMNS = [
-    "method", "trainable_params", "peak_mem_mb", "ratio", "process_peak_mem_mb", "process_ratio", "step_s", "device",
-    "measure",
+    "method", "trainable_params", "peak_mem_mb", "ratio", "process_peak_mem_mb", "process_ratio", "step_s",
+    "forwards_per_step", "s_per_forward", "device", "measure",
 ]
 
 
@@ -76,10 +82,14 @@ def _release_free_heap() -> None:
 
 
 def row_overrides(row: str) -> list[str]:
-    """The ``adazeta-run`` overrides that choose a row's method: ``inference`` is zero-shot's forward, and
-    ``<method>_gc`` the method with activation checkpointing."""
+    """The ``adazeta-run`` overrides that choose a row's method: ``inference`` is zero-shot's forward,
+    ``<method>_gc`` the method with activation checkpointing, ``<method>+<optimizer>`` the method trained by
+    another optimizer option (``conf/optimizer/``)."""
     if row == "inference":
         return ["method=zero_shot"]
+    if WITH_OPTIMIZER in row:
+        method, kind = row.split(WITH_OPTIMIZER, 1)
+        return [f"method={method}", f"optimizer@method.optimizer={kind}"]
     if row.endswith(CHECKPOINTED):
         return [f"method={row.removesuffix(CHECKPOINTED)}", "train.gradient_checkpointing=true"]
     return [f"method={row}"]
@@ -88,9 +98,12 @@ def row_overrides(row: str) -> list[str]:
 def worker(method: str, args: argparse.Namespace) -> dict:
     """Build one row's model, optimizer and batch (``adazeta.run.build``); measure ``args.steps`` steps. Runs in
     its own process."""
+    import functools
+
     import torch
 
     from adazeta.optim import zeroth_order
+    from adazeta.optim.batched import ReplicaClosure
     from adazeta.run import build, compose_settings, preflight, seed_everything
     from adazeta.train import first_order_step
 
@@ -116,12 +129,15 @@ def worker(method: str, args: argparse.Namespace) -> dict:
     zo = zeroth_order(optimizer)
     del built
 
+    # The training loop's closure: a ZO optimizer may evaluate weight replicas or run a jvp through the model.
+    closure = ReplicaClosure(scorer.model, functools.partial(scorer.replica_losses, batch), batch)
+
     def step() -> None:
         if optimizer is None:
             with torch.inference_mode():
                 float(scorer.loss(batch))
         elif zo:
-            float(optimizer.step(lambda: scorer.loss(batch)))
+            float(optimizer.step(closure))
         else:
             float(first_order_step(scorer, optimizer, items))
 
@@ -131,12 +147,15 @@ def worker(method: str, args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    forwards_before = getattr(optimizer, "forward_passes", 0)
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = (time.perf_counter() - start) / args.steps
+    # forwards a step: the ZO optimizer's count; a first-order step or an inference: one forward (plus a backward)
+    forwards = (optimizer.forward_passes - forwards_before) / args.steps if zo else 1
     process_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     if measure == "cuda_peak_allocated":
         peak = torch.cuda.max_memory_allocated(device) / 2**20
@@ -151,6 +170,8 @@ def worker(method: str, args: argparse.Namespace) -> dict:
         "process_peak_mem_mb": round(process_peak, 1),
         "rss_start_mb": round(rss_start, 1),
         "step_s": round(elapsed, 3),
+        "forwards_per_step": round(forwards, 2),
+        "s_per_forward": round(elapsed / forwards, 4),
         "device": device.type,
         "measure": measure,
     }
@@ -178,13 +199,14 @@ def table(rows: list[dict]) -> str:
     """A Markdown table: the rows the README shows."""
     head = (
         "| method | trainable params | peak memory (MiB) | x inference | whole-process peak (MiB) | x inference "
-        "| s / step |"
+        "| s / step | forwards / step | s / forward |"
     )
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['trainable_params']:,} | {r['peak_mem_mb']:,.0f} | {r['ratio']:.2f} | "
-            f"{r['process_peak_mem_mb']:,.0f} | {r['process_ratio']:.2f} | {r['step_s']:.2f} |"
+            f"{r['process_peak_mem_mb']:,.0f} | {r['process_ratio']:.2f} | {r['step_s']:.2f} | "
+            f"{r.get('forwards_per_step', '')} | {r.get('s_per_forward', '')} |"
         )
     return "\n".join(lines)
 
