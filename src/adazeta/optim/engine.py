@@ -16,7 +16,8 @@ A ZO step (``ZOSGD.step``) is
 An optimizer is a pair of them plus its config: ``zo_adam`` is ZO-SGD's estimator with the Adam rule. A new one
 is one Python file in this package (its config dataclass, declaring its capabilities, its rule or estimator, and a
 builder registered in ``OPTIMIZERS``) and one YAML in ``conf/optimizer/``. Optimizers whose directions are not
-the seeded Gaussian stream (HiZOO, LOZO, ZO-Muon) override ``ZOSGD._estimate`` and bring their own rule.
+the seeded Gaussian stream (HiZOO, LOZO, ZO-Muon) override ``ZOSGD._estimate`` and bring their own rule
+(their common base: ``adazeta.optim.own_directions``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Step:
     reduction: str
     noise: str
     closure: Closure | None = None
+    losses: torch.Tensor | None = None  # every loss the estimate evaluated, in its order (HiZOO's curvature reads them)
 
     def settle(self) -> None:
         """Undo the estimate's pending perturbation (if any): the weights are w again."""

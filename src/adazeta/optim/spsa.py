@@ -43,6 +43,16 @@ def mask_seed(run_seed: int, step: int) -> int:
     return int(state[0]) & _SEED_MASK
 
 
+def subspace_seed(run_seed: int, window: int) -> int:
+    """Seed of the subspace a structured ZO optimizer keeps for a window of steps (LOZO's V, ZO-Muon's P), window
+    k = step // step_interval: a stream of its own (spawn key 3), so it never repeats a query's or a mask's seed,
+    and a function of (run seed, k) alone, so a resumed run redraws the same subspace without checkpointing it."""
+    if run_seed < 0 or window < 0:
+        raise ValueError(f"subspace_seed needs non-negative ints, got run_seed={run_seed}, window={window}")
+    state = np.random.SeedSequence([run_seed, window], spawn_key=(3,)).generate_state(1, dtype=np.uint64)
+    return int(state[0]) & _SEED_MASK
+
+
 def block_seed(seed: int, block: int) -> int:
     """Seed of the ``blocks`` stream's generator for its ``block``-th call from ``seed``: a hash of both."""
     state = np.random.SeedSequence([seed, block], spawn_key=(2,)).generate_state(1, dtype=np.uint64)

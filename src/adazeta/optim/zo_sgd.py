@@ -185,7 +185,7 @@ class ZOSGD(torch.optim.Optimizer):
         self._restore = None  # an estimate may leave its last restoring perturbation to the update's pass
         losses, grads = ESTIMATORS[self.estimator].estimate(self, closure, params, seeds, masks, cache, plan)
         update = Step(params, seeds, grads, lrs, wds, masks, layout, cache, self._restore, self.reduction, self.noise,
-                      closure)
+                      closure, losses)
         extra = self.rule.update_(self, update)  # the rule's own forwards (a candidate search), else 0
         self._restore = None
         self._last_update = (seeds, grads, lrs, wds, masks, layout)

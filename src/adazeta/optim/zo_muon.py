@@ -1,0 +1,185 @@
+"""ZO-Muon (OPTML-Group, 2026, github.com/OPTML-Group/ZO-Muon): zeroth-order estimates in a random low-dimensional
+subspace of each weight matrix, orthogonalised as Muon does (Newton-Schulz), with several queries a step.
+
+For a parameter of two or more dimensions viewed as an m x n matrix (``own_directions.matrix_shape``), P (m x r,
+r = min(rank, m)) has orthonormal columns, Haar-distributed (QR of a Gaussian matrix with the signs of R's
+diagonal moved onto Q), and is redrawn every ``step_interval`` steps (k = step // step_interval). Query q
+perturbs along P u_q, u_q (r x n) standard normal; a vector parameter (bias, norm) along a Gaussian z_q. With the
+default one-sided estimator and a shared baseline, a step of Q queries takes Q + 1 forwards:
+
+    L0 = L(w),  g_q = (L(w + eps d_q) - L0) / eps,    d_q = P u_q (matrices), z_q (vectors)
+    matrices:  R = (1/Q) sum_q g_q u_q  (r x n),   w <- w - lr (P NS5(R) + wd w)
+    vectors:   w <- w - vector_lr ((1/Q) sum_q g_q z_q + wd w)
+
+NS5 is Muon's quintic Newton-Schulz iteration towards the orthogonal polar factor of R (``newton_schulz5``:
+a, b, c = 3.4445, -4.7750, 2.0315; X = R / (||R||_F + 1e-7); transposed when R has more rows than columns;
+``ns_steps`` iterations X <- a X + (b A + c A^2) X, A = X X^T). ``estimator=central`` takes the reference's
+single-sample branch instead, g_q = (L(w + eps d_q) - L(w - eps d_q)) / (2 eps), 2Q forwards.
+
+Source: the public code (``LowDimOptimizer`` in ``vit/zo_optimizer.py``: ``_sample_orthogonal_P``,
+``lowdim_zo_perturb_parameters``, the multiple-sample branch of ``zo_step``, ``zo_update`` with opt ``muon``,
+``zeropower_via_newtonschulz5``; the same in ``llm/LowDimTrainer.py``); rank 64, step_interval 100 and 4 queries
+(``NUM_SAMPLES``, the schedule's Q here) are the README's ZO-Muon command.
+Where this implementation differs, and why:
+
+- P is drawn once per window from its own generator, seeded from ``subspace_seed(seed, k)``, and u_q, z_q from one
+  seeded from ``query_seed(seed, step, q)``, not from the global RNG reseeded with ``base_seed + i`` per query.
+  The reference resamples P inside each perturbation call on a resampling step, so on that step every query
+  perturbs with a P of its own while the update uses the last query's P for all of them; here one P serves all
+  queries of a window, as the method intends. P is redrawn each step from (seed, k), so nothing is checkpointed.
+- NS5 and P run in at least float32: the vision code casts R to bfloat16 for the iteration and P to the weights'
+  dtype; the LLM trainer runs NS5 in the weights' dtype (float32 there). Float32 keeps the orthogonalisation from
+  bfloat16's 3 significant digits; float64 weights (tests) stay float64.
+- Vector parameters step with ``vector_lr`` (default 1e-4), a key of its own: the reference hard-codes their step
+  size (1e-4 in the vision code, 1e-7 in the LLM trainer) whatever the learning rate, and rightly keeps it apart
+  from ``lr``: the orthogonalised matrix step has singular values ~1 whatever the loss's scale, while a vector's
+  ZO-SGD step scales with the loss, so the matrices' lr (1e-2 in the reference) makes the vectors diverge.
+- The weights are restored exactly after each perturbation (``own_directions``) instead of by the opposite one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Iterable, Sequence
+
+import torch
+
+from adazeta.errors import ConfigError
+from adazeta.optim import OPTIMIZERS
+from adazeta.optim.engine import Step, UpdateRule, decay_
+from adazeta.optim.lozo import _check_positive
+from adazeta.optim.own_directions import OwnDirectionsConfig, OwnDirectionsZO, matrix_shape, work_dtype
+from adazeta.optim.spsa import _Streams, decay_groups, projected_gradient, subspace_seed
+from adazeta.optim.zo_sgd import zo_settings
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Muon's quintic (Keller Jordan's modded-nanogpt), as the reference
+
+
+def newton_schulz5(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz iteration X <- a X + (b X X^T + c (X X^T)^2) X from X = G / (||G||_F + eps),
+    on the wide orientation: about the orthogonal polar factor U V^T of G = U S V^T (singular values in ~[0.7, 1.2])."""
+    a, b, c = NS_COEFFICIENTS
+    x = g / (g.norm() + eps)
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    for _ in range(steps):
+        s = x @ x.T
+        x = a * x + (b * s + c * s @ s) @ x
+    return x.T if tall else x
+
+
+def orthonormal_basis(m: int, r: int, generator: torch.Generator, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+    """P (m x r) with orthonormal columns, Haar-distributed: Q of the QR of a standard normal m x r matrix, each
+    column's sign set by R's diagonal (Mezzadri 2007), as the reference's ``_sample_orthogonal_P``."""
+    q, r_factor = torch.linalg.qr(torch.randn(m, r, generator=generator, dtype=dtype, device=device), mode="reduced")
+    signs = torch.sign(torch.diagonal(r_factor))
+    signs[signs == 0] = 1.0
+    return q * signs
+
+
+def subspace_ranks(params: Sequence[torch.Tensor], rank: int) -> list[int | None]:
+    """r = min(rank, m) for each matrix parameter (P cannot have more orthonormal columns than rows), None else."""
+    return [None if (shape := matrix_shape(p)) is None else min(rank, shape[0]) for p in params]
+
+
+class MuonRule(UpdateRule):
+    """Matrices: w <- w - lr (P NS5((1/Q) sum_q g_q u_q) + wd w); vectors: ZO-SGD's step from the same g_q."""
+
+    name = "zo_muon"
+
+    @torch.no_grad()
+    def update_(self, opt: "ZOMuon", step: Step) -> int:
+        params = step.params
+        basis = opt.basis(params)
+        scale = 1.0 / len(step.seeds) if step.reduction == "mean" else 1.0
+        total: list[torch.Tensor] | None = None
+        for seed, g in zip(step.seeds, step.grads):
+            factors = opt.factors(params, seed)
+            if total is None:
+                total = [torch.zeros_like(f) for f in factors]
+            for t, f in zip(total, factors):
+                t.add_(f * g.to(f.device, f.dtype))
+        lrs = [lr if P is not None else opt.vector_lr for lr, P in zip(step.lrs, basis)]
+        decay_(params, lrs, step.wds)  # w (1 - lr wd) - lr G: the same as w - lr (G + wd w)
+        for p, t, P, lr in zip(params, total or [], basis, lrs):
+            t.mul_(scale)
+            move = t if P is None else (P @ newton_schulz5(t, opt.ns_steps)).view(p.shape)
+            p.add_(move, alpha=-lr)
+        return 0
+
+
+class ZOMuon(OwnDirectionsZO):
+    """Subspace ZO estimates P u_q, orthogonalised by Newton-Schulz before the step (ZO-Muon)."""
+
+    kind = "zo_muon"
+
+    def __init__(self, params, rank: int = 64, step_interval: int = 100, ns_steps: int = 5, vector_lr: float = 1e-4,
+                 **settings):
+        super().__init__(params, rule=MuonRule(), **settings)
+        self.rank, self.step_interval, self.ns_steps, self.vector_lr = rank, step_interval, ns_steps, vector_lr
+
+    def basis(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """P of this step's window, redrawn from (seed, step // step_interval), one per matrix parameter in order."""
+        streams = _Streams(subspace_seed(self.seed, self.state_step // self.step_interval))
+        return [None if r is None else orthonormal_basis(p.shape[0], r, streams.on(p.device), work_dtype(p), p.device)
+                for p, r in zip(params, subspace_ranks(params, self.rank))]
+
+    def factors(self, params: Sequence[torch.Tensor], seed: int) -> list[torch.Tensor]:
+        """u_q (r x n) for each matrix parameter, z_q shaped like a vector parameter, standard normal from ``seed``."""
+        streams = _Streams(seed)
+        out = []
+        for p, r in zip(params, subspace_ranks(params, self.rank)):
+            size = tuple(p.shape) if r is None else (r, p.numel() // p.shape[0])
+            out.append(torch.randn(size, generator=streams.on(p.device), dtype=work_dtype(p), device=p.device))
+        return out
+
+    def _estimate(self, closure, params, seeds, masks=None, cache=None):  # type: ignore[override]
+        basis = self.basis(params)
+
+        def move_(factors: list[torch.Tensor], scale: float) -> None:
+            for p, f, P in zip(params, factors, basis):
+                p.add_(f if P is None else (P @ f).view(p.shape), alpha=scale)
+
+        central = self.estimator == "central"
+        losses = self.evaluate(closure, params, seeds, lambda seed: self.factors(params, seed), move_,
+                               baseline=not central, central=central)
+        if central:
+            return losses, projected_gradient(losses[0::2], losses[1::2], self.eps)
+        return losses, (losses[1:] - losses[0]) / self.eps
+
+
+@dataclasses.dataclass
+class ZOMuonConfig(OwnDirectionsConfig):
+    """ZO-Muon: one-sided subspace estimates with a shared baseline, a Newton-Schulz-orthogonalised step."""
+
+    kind: ClassVar[str] = "zo_muon"
+    estimators: ClassVar[tuple[str, ...]] = ("one_sided", "central")
+    noises: ClassVar[tuple[str, ...]] = ("per_tensor",)
+
+    lr: float = 1e-2  # the README's ZO-Muon command: the orthogonalised step has a fixed size, so lr is its length
+    estimator: str = "one_sided"  # one_sided: Q + 1 forwards, shared L(w) (the reference's multiple-sample branch)
+    rank: int = 64  # columns of P (at most the matrix's rows)
+    step_interval: int = 100  # steps that share one P
+    ns_steps: int = 5  # Newton-Schulz iterations
+    # step size of the vector parameters' (biases', norms') plain ZO-SGD step, which scales with the loss while the
+    # matrices' orthogonalised step does not: one lr cannot fit both (the reference hard-codes 1e-4 here)
+    vector_lr: float = 1e-4
+
+    def state_bytes(self, entries: int, width: int) -> float:
+        return 0.0  # P is redrawn from (seed, window) each step: nothing is kept between steps
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive("rank", self.rank)
+        _check_positive("step_interval", self.step_interval)
+        _check_positive("ns_steps", self.ns_steps)
+        if not self.vector_lr >= 0:
+            raise ConfigError(f"method.optimizer.vector_lr={self.vector_lr!r} must be >= 0")
+
+
+@OPTIMIZERS.register("zo_muon", ZOMuonConfig)
+def build_zo_muon(named_params: Iterable[tuple[str, torch.Tensor]], cfg: ZOMuonConfig, seed: int) -> ZOMuon:
+    return ZOMuon(decay_groups(named_params, cfg.weight_decay), rank=cfg.rank, step_interval=cfg.step_interval,
+                  ns_steps=cfg.ns_steps, vector_lr=cfg.vector_lr, seed=seed, **zo_settings(cfg))
