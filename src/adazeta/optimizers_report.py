@@ -1,0 +1,229 @@
+"""The report of the pre-registered optimizer comparison (``cpu_zo_optimizers``): the field's ZO optimizers at equal
+forward passes, against ZO-SGD on the same adapters.
+
+    python -m adazeta.optimizers_report [cpu_zo_optimizers] [--out results]
+
+Reads only the run files under results/runs/<experiment>/ and the experiment's config (its ``endpoints``: the
+decision rules committed before the first run). Each arm's learning rate is the one its seed-0 grid chose on dev
+(``adazeta.experiment.chosen_lr``; test never looked at); an arm whose grid has not finished is reported as
+undecided. Writes <out>/tables/<experiment>_report.md and <out>/figures/<experiment>_curves.png. Whatever has not
+run yet is reported as missing, so the report can be made at any point of the experiment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from adazeta import stats
+from adazeta.claims_report import (
+    MISSING, Run, compare, equal_budget, figure, first_at_or_below, fmt, fmt_p, load_run, overview,
+)
+from adazeta.experiment import UNDECIDED, Job, chosen_lr, grid, runs_at
+from adazeta.paths import config_dir
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values (step-down, monotone), in the input's order."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    adjusted, running = [math.nan] * len(pvalues), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(pvalues) - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def load(name: str, config: dict) -> tuple[dict[str, float | None], dict[str, dict[int, Run]], list[str]]:
+    """(each arm's chosen lr or None, its runs at that lr by seed, the grid table's lines)."""
+    select = int(config["design"]["select_seed"])
+    chosen: dict[str, float | None] = {}
+    runs: dict[str, dict[int, Run]] = {}
+    lines = ["| arm | lr | status | dev accuracy | best dev loss | chosen |", "|---|---:|---|---:|---:|---|"]
+    for arm, spec in config["arms"].items():
+        lr = chosen_lr(name, arm, spec, select)
+        chosen[arm] = None if lr is UNDECIDED else lr
+        for point in grid(spec):
+            run = load_run(arm, select, Job(arm, point, select, name, []).run_dir)
+            if run is None:
+                lines.append(f"| {arm} | {point:g} | {MISSING} | | | |")
+                continue
+            lines.append(f"| {arm} | {point:g} | {run.rec['status']} | {100 * run.rec['dev_accuracy']:.1f} | "
+                         f"{run.rec['dev_loss']:.4f} | {'**yes**' if point == chosen[arm] else ''} |")
+        runs[arm] = {}
+        if chosen[arm] is None:
+            continue
+        for seed in config["design"]["seeds"]:
+            if runs_at(spec, int(seed)):
+                run = load_run(arm, int(seed), Job(arm, chosen[arm], int(seed), name, []).run_dir)
+                if run is not None:
+                    runs[arm][int(seed)] = run
+    return chosen, runs, lines
+
+
+def family(arm: str, references: dict[str, str]) -> str | None:
+    """The adapter an arm trains (``tt_...`` -> tt), whose reference it is measured against."""
+    prefix = arm.split("_", 1)[0]
+    return prefix if prefix in references else None
+
+
+def shares(runs: dict[str, dict[int, Run]], references: dict[str, str]) -> list[str]:
+    """Endpoint (a): forwards to the reference's final dev loss, per seed, as a share of the reference's own."""
+    lines = ["| arm | seed | target (reference's final dev loss) | reference reaches at | arm reaches at | share |",
+             "|---|---:|---:|---:|---:|---:|"]
+    summary = ["| arm | seeds | shares | median share [95 % bootstrap CI over seeds] |", "|---|---:|---|---|"]
+    for arm, by_seed in runs.items():
+        ref = references.get(family(arm, references) or "")
+        if ref is None or arm == ref:
+            continue
+        got = []
+        for seed, run in sorted(by_seed.items()):
+            base = runs.get(ref, {}).get(seed)
+            if base is None or not base.curve:
+                continue
+            target = base.curve[-1].loss
+            f_ref, f_arm = first_at_or_below(base.curve, target), first_at_or_below(run.curve, target)
+            share = f_arm / f_ref if f_ref > 0 else math.nan
+            got.append(share)
+            lines.append(f"| {arm} | {seed} | {target:.4f} | {f_ref:.0f} | "
+                         f"{'never' if math.isinf(f_arm) else f'{f_arm:.0f}'} | "
+                         f"{'∞' if math.isinf(share) else f'{share:.2f}'} |")
+        if got:
+            finite = np.array([min(s, 1e9) for s in got])
+            lo, hi = (np.quantile([np.median(np.random.default_rng(i).choice(finite, len(finite))) for i in range(2000)],
+                                  [0.025, 0.975]) if len(finite) > 1 else (math.nan, math.nan))
+            show = lambda x: "∞" if x >= 1e9 else f"{x:.2f}"  # noqa: E731
+            summary.append(f"| {arm} | {len(got)} | {', '.join(show(s) for s in got)} | {show(np.median(finite))} "
+                           f"[{MISSING if math.isnan(lo) else show(lo)}, {MISSING if math.isnan(hi) else show(hi)}] |")
+    return summary + ["", *lines]
+
+
+def goal(runs: dict[str, dict[int, Run]], cfg: dict, budget: int) -> list[str]:
+    """Endpoint (b): dev accuracy >= the goal at some evaluation within the budget, on at least min_seeds seeds."""
+    target, need = float(cfg["dev_accuracy"]), int(cfg["min_seeds"])
+    lines = [f"| arm | seeds reaching dev accuracy {target:.2f} within {budget} forwards | first reached at (forwards) "
+             "| met |", "|---|---|---|---|"]
+    for arm, by_seed in runs.items():
+        if not by_seed:
+            continue
+        firsts = []
+        for _, run in sorted(by_seed.items()):
+            hits = [p.forwards for p in run.curve if p.accuracy >= target and p.forwards <= budget]
+            firsts.append(min(hits) if hits else math.inf)
+        reached = sum(not math.isinf(f) for f in firsts)
+        lines.append(f"| {arm} | {reached} of {len(firsts)} | "
+                     f"{', '.join('never' if math.isinf(f) else f'{f:.0f}' for f in firsts)} | "
+                     f"{'**yes**' if reached >= need else 'no'} |")
+    return lines
+
+
+def accuracy(runs: dict[str, dict[int, Run]], references: dict[str, str], cfg: dict, n_boot: int) -> list[str]:
+    """Endpoint (c): test accuracy at the best-dev state against the reference, paired, Holm over each adapter's
+    arms; and the stability counts."""
+    rows = []
+    for arm in runs:
+        ref = references.get(family(arm, references) or "")
+        if ref is None or arm == ref:
+            continue
+        c = compare(runs[arm], runs.get(ref, {}), n_boot)
+        if c is not None:
+            rows.append((family(arm, references), arm, ref, c))
+    adjusted: dict[str, float] = {}
+    for fam in sorted({r[0] for r in rows}):
+        mine = [r for r in rows if r[0] == fam]
+        for r, p in zip(mine, holm([r[3]["boot"].p for r in mine]) if cfg.get("holm", True) else
+                        [r[3]["boot"].p for r in mine]):
+            adjusted[r[1]] = p
+    lines = ["| arm | vs | difference (points) [95 % CI] | paired bootstrap p | Holm p | McNemar (arm only / ref only, "
+             "p) | per-seed differences | sign-flip p |", "|---|---|---|---:|---:|---|---|---:|"]
+    for _, arm, ref, c in rows:
+        b, m = c["boot"], c["mcnemar"]
+        lines.append(f"| {arm} | {ref} | {100 * b.diff:+.1f} [{100 * b.lo:+.1f}, {100 * b.hi:+.1f}] | {fmt_p(b.p)} | "
+                     f"{fmt_p(adjusted[arm])} | {m.a_only} / {m.b_only}, {fmt_p(m.p)} | "
+                     f"{', '.join(f'{100 * d:+.1f}' for d in c['per_seed'])} | {fmt_p(c['flip'])} |")
+    drift = float(cfg.get("drift_ratio", 1.2))
+    lines += ["", f"Stability (final / best dev loss above {drift} counts as drift):", "",
+              "| arm | runs | diverged | stalled | drifted | final / best dev loss (per seed) |",
+              "|---|---:|---:|---:|---:|---|"]
+    for arm, by_seed in runs.items():
+        if not by_seed:
+            continue
+        status = [r.rec["status"] for r in by_seed.values()]
+        drifts = [r.drift() for _, r in sorted(by_seed.items())]
+        lines.append(f"| {arm} | {len(status)} | {status.count('diverged')} | {status.count('stalled')} | "
+                     f"{sum(d > drift for d in drifts)} | {', '.join(fmt(d) for d in drifts)} |")
+    return lines
+
+
+def report(name: str, out: Path) -> Path:
+    config = yaml.safe_load((Path(config_dir()) / "experiment" / f"{name}.yaml").read_text())
+    ends = config.get("endpoints") or {}
+    if "share" not in ends:
+        raise SystemExit(f"optimizers_report: experiment {name} declares no `endpoints.share`; not an optimizer "
+                         "comparison")
+    n_boot = int(ends.get("bootstrap", 10000))
+    references = ends["share"]["references"]
+    chosen, runs, grid_lines = load(name, config)
+    budget, every = int(config["train"]["max_forward_passes"]), int(config["train"]["eval_every_forwards"])
+    decided = [a for a in config["arms"] if chosen[a] is not None]
+    text = [
+        f"# {name}: the field's ZO optimizers at equal forward passes",
+        "",
+        f"Generated by `python -m adazeta.optimizers_report {name}` from the run files; design and decision rules: "
+        f"`conf/experiment/{name}.yaml` (committed before the first run). SmolLM2-135M, SST-2, one data sample "
+        f"(data.seed {config['data']['seed']}: {config['data']['num_train']} train, {config['data']['num_dev']} dev, "
+        f"{config['data']['num_eval']} test), seeds {config['design']['seeds']} at each arm's lr, chosen on dev "
+        f"accuracy at seed {config['design']['select_seed']} (never on test); budget {budget} forward passes, dev "
+        f"every {every}. Intervals are 95 %; paired bootstrap {n_boot} resamples over test examples.",
+        "",
+        f"Arms with a chosen lr: {len(decided)} of {len(config['arms'])}"
+        + (f" (undecided: {', '.join(a for a in config['arms'] if chosen[a] is None)})"
+           if len(decided) < len(config["arms"]) else "") + ".",
+        "",
+        "## Arms at their chosen lr",
+        "",
+        *overview({a: runs[a] for a in decided}, {**config, "arms": {a: config["arms"][a] for a in decided}}, n_boot),
+        "",
+        "## (a) Forwards to reach ZO-SGD's final dev loss, as a share of ZO-SGD's (per seed, same dev set)",
+        "",
+        *shares(runs, references),
+        "",
+        f"## (b) The goal: dev accuracy {ends['goal']['dev_accuracy']} within {budget} forwards on "
+        f"{ends['goal']['min_seeds']} seeds",
+        "",
+        *goal(runs, ends["goal"], budget),
+        "",
+        "## (c) Test accuracy against ZO-SGD on the same adapters, paired",
+        "",
+        *accuracy(runs, references, ends.get("accuracy", {}), n_boot),
+        "",
+        "## Equal budgets: mean dev loss / accuracy (%) at equal forward passes",
+        "",
+        *equal_budget(runs, decided, list(range(every * 2, budget + 1, every * 2))),
+        "",
+        "## The learning-rate grids (seed 0, dev only)",
+        "",
+        *grid_lines,
+        "",
+    ]
+    path = out / "tables" / f"{name}_report.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(text))
+    if any(runs[a] for a in decided):
+        figure(runs, decided, out / "figures" / f"{name}_curves.png")
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiment", nargs="?", default="cpu_zo_optimizers")
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    args = parser.parse_args()
+    print(report(args.experiment, args.out))
+
+
+if __name__ == "__main__":
+    main()

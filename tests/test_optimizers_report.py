@@ -1,0 +1,80 @@
+"""adazeta.optimizers_report on hand-made run files: lr chosen on dev, shares, the goal, Holm-adjusted tests."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from adazeta import optimizers_report
+from adazeta.experiment import Job
+from helpers import ROOT
+
+NAME = "cpu_zo_optimizers"
+CONFIG = yaml.safe_load((ROOT / "conf" / "experiment" / f"{NAME}.yaml").read_text())
+
+
+def write_run(arm: str, lr: float, seed: int, losses: list[float], accs: list[float], correct: np.ndarray,
+              every: int = 100) -> None:
+    """A run whose dev loss / accuracy are losses[i] / accs[i] after i x ``every`` forward passes."""
+    run_dir = Job(arm, lr, seed, NAME, []).run_dir
+    (run_dir / "predictions").mkdir(parents=True)
+    steps = [i * every // 2 for i in range(len(losses))]
+    with open(run_dir / "metrics.csv", "w") as f:
+        f.write("step,epoch,loss,n_queries,forward_passes,lr,step_time_s,peak_mem_mb,param_norm\n")
+        for s in range(1, steps[-1] + 1):
+            f.write(f"{s},0,0.5,1,{2 * s},{lr},0.5,1000,1.0\n")
+    with open(run_dir / "eval.csv", "w") as f:
+        f.write("step,split,loss,accuracy,tied\n")
+        for s, loss, acc in zip(steps, losses, accs):
+            f.write(f"{s},dev,{loss},{acc},0.0\n")
+        f.write(f"{steps[-1]},test,0.5,{correct.mean()},0.0\n")
+    with open(run_dir / "predictions" / "test.csv", "w") as f:
+        f.write("index,row,gold,pred,correct,score_0,score_1\n")
+        for i, c in enumerate(correct):
+            f.write(f"{i},{1000 + i},1,{int(c)},{int(c)},-1.0,-0.5\n")
+    best = int(np.argmin(losses))
+    (run_dir / "result.json").write_text(json.dumps({
+        "status": "finished", "reason": None, "dev_accuracy": accs[best], "dev_loss": min(losses),
+        "test_accuracy": float(correct.mean()), "forward_passes": steps[-1] * 2, "peak_mem_mb": 1000.0,
+        "wall_time_s": 1800.0, "best_step": steps[best], "git": {"commit": "abcdef0123", "dirty": False}}))
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_holm_is_step_down_and_monotone():
+    assert optimizers_report.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert optimizers_report.holm([0.5]) == [0.5]
+
+
+def test_the_report_reads_each_arm_at_its_dev_chosen_lr(results):
+    rng = np.random.default_rng(0)
+    n = 872
+    base = (rng.random(n) < 0.70).astype(float)
+    better = np.maximum(base, (rng.random(n) < 0.5).astype(float))  # right wherever the reference is, and more
+    slow = [1.0 - 0.04 * i for i in range(11)]          # ZO-SGD: its final dev loss 0.60 at 1,000 forwards
+    fast = [1.0, 0.7, 0.6] + [0.55] * 8                   # reaches 0.60 at 200 forwards: share 0.2
+    for lr in CONFIG["arms"]["tt_zo_sgd"]["lr"]:
+        for seed in CONFIG["design"]["seeds"] if lr == 3e-4 else [0]:
+            accs = [0.6 + (0.01 * i if lr == 3e-4 else 0.0) for i in range(11)]
+            write_run("tt_zo_sgd", lr, seed, slow, accs, base)
+    for lr in CONFIG["arms"]["tt_zo_adam"]["lr"]:
+        for seed in CONFIG["design"]["seeds"] if lr == 3e-5 else [0]:
+            accs = [0.6, 0.7] + [0.8 if lr == 3e-5 else 0.65] * 9
+            write_run("tt_zo_adam", lr, seed, fast, accs, better)
+    path = optimizers_report.report(NAME, results / "results")
+    text = path.read_text()
+    assert "| tt_zo_sgd | 0.0003 | finished | " in text and "| tt_zo_adam | 3e-05 | finished |" in text
+    assert "| tt_zo_adam | 3 | 0.20, 0.20, 0.20 | 0.20 [0.20, 0.20] |" in text  # the shares, per seed and median
+    assert "| tt_zo_adam | 3 of 3 | 200, 200, 200 | **yes** |" in text  # the goal (0.75 dev accuracy)
+    assert "| tt_zo_sgd | 0 of 3 | never, never, never | no |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| tt_zo_adam | tt_zo_sgd |"))
+    assert "+" in row.split("|")[3]  # tt_zo_adam is ahead on test, paired
+    assert "undecided:" in text and "tt_es" in text  # arms whose grid has not run are named
+    assert (results / "results" / "figures" / f"{NAME}_curves.png").exists()
