@@ -15,7 +15,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -67,7 +67,7 @@ from adazeta.tracking import (
     reset_peak_memory,
     write_predictions,
 )
-from adazeta.train import Checkpoints, Loop, RunLength, Splits, steps_per_epoch, train
+from adazeta.train import Checkpoints, Loop, Observer, RunLength, Splits, steps_per_epoch, train
 
 log = logging.getLogger("adazeta")
 
@@ -148,6 +148,7 @@ class Built:
     total_params: int
     trainable_params: int
     length: RunLength  # steps per epoch, step limit, forward budget, the schedule's E: decided once
+    scorer: Scorer  # how examples are scored with the adapted model, with the task's objective as a field
     demonstrations: float | None = None  # ICL: mean number of demonstrations per test prompt
     content_free: list[Encoded] | None = None  # contextual calibration's content-free prompts
 
@@ -168,10 +169,6 @@ class Built:
     def tokenizer(self) -> Any:
         return self.loaded.tokenizer
 
-    @property
-    def scorer(self) -> Scorer:
-        """How examples are scored with the adapted model (classification objective; a run adds the task's)."""
-        return Scorer.of(self.model, self.tokenizer, self.family, self.device)
 
 
 def build(s: Settings, loaded: LoadedModel | None = None, data: TaskData | None = None) -> Built:
@@ -212,14 +209,17 @@ def build(s: Settings, loaded: LoadedModel | None = None, data: TaskData | None 
     elif s.demonstrations is not None:  # ICL: the mean number of demonstrations that fit a test prompt
         demonstrations = add_demonstrations_(data, s.demonstrations, tok, family, s.model.max_length, s.seed)
     enc = {split: encode(getattr(data, split), tok, family, s.model.max_length) for split in ("train", "dev", "eval")}
+    objective = build_objective(s.task, data, enc, tok, s.model.max_length, s.train.eval_batch_size)
+    objective = dataclasses.replace(objective, token_weighted=s.train.lm_reduction == "token")
+    scorer = Scorer.of(model, tok, family, loaded.device, objective)  # one scorer, the task's objective in it
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = build_optimizer(s, named)
     length = run_length(s, len(data.train))
     schedule = SCHEDULES.get(s.schedule.kind).builder(s.schedule.config, length.schedule_epochs)
     log.info("task %s: %d train / %d dev / %d test examples from %s", s.task.name, len(data.train),
              len(data.dev), len(data.eval), data.source)
-    return Built(loaded, model, data, enc, named, optimizer, schedule, total, trainable, length, demonstrations,
-                 content_free)
+    return Built(loaded, model, data, enc, named, optimizer, schedule, total, trainable, length, scorer,
+                 demonstrations, content_free)
 
 
 def build_optimizer(s: Settings, named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer | None:
@@ -267,13 +267,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> dict[str, Any]:
+def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None,
+        observers: Sequence[Observer] = ()) -> dict[str, Any]:
     """Run one experiment described by the composed config; write its files to ``run_dir``; return the record.
 
     The run directory is claimed for the whole run (a second run on it is refused). A directory that holds a
     run of the same settings is skipped when that run ended (finished, diverged) and resumed from its
     checkpoint when it was interrupted; one that holds a run of other settings is refused unless ``force``, as is
-    one whose record or checkpoint is damaged (never taken for an empty directory).
+    one whose record or checkpoint is damaged (never taken for an empty directory). ``observers``: tools that
+    watch the run's steps and evaluations (``adazeta.train.Observer``: diagnostics, benches); no number changes.
     """
     forget_signals()
     s = parse(cfg)
@@ -283,11 +285,11 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> d
         return dry_run(s) if where is None or where[0] == 0 else {}  # one report for the whole launch
     d = distributed.init(s.distributed)
     if not d.enabled:
-        return _run_claimed(s, run_dir, overrides, d)
+        return _run_claimed(s, run_dir, overrides, d, observers)
     try:
         run_dir = Path(distributed.broadcast(str(run_dir)))  # Hydra's timestamped folder: rank 0's
         if d.is_main:
-            return _run_claimed(s, run_dir, overrides, d)
+            return _run_claimed(s, run_dir, overrides, d, observers)
         # The other ranks do what rank 0 decided: stop with its error, take its finished result, or run.
         decision, payload = distributed.broadcast(None)
         if decision == "error":
@@ -295,12 +297,13 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None) -> d
         if decision == "skip":
             return payload
         resume = load_checkpoint(run_dir / CHECKPOINT) if payload else None
-        return execute(s, run_dir, resume, d)
+        return execute(s, run_dir, resume, d, observers)
     finally:
         distributed.close()
 
 
-def _run_claimed(s: Settings, run_dir: Path, overrides: list[str] | None, d: Dist) -> dict[str, Any]:
+def _run_claimed(s: Settings, run_dir: Path, overrides: list[str] | None, d: Dist,
+                 observers: Sequence[Observer] = ()) -> dict[str, Any]:
     """Claim ``run_dir``, skip or resume what it holds, and run (rank 0 of several tells the others which)."""
     decided = False
 
@@ -337,7 +340,7 @@ def _run_claimed(s: Settings, run_dir: Path, overrides: list[str] | None, d: Dis
                     check_resumable(run_dir, resume, s.task.metric)
             write_provenance(run_dir, s.raw, overrides)
             decide("run", resume is not None)
-            return execute(s, run_dir, resume, d)
+            return execute(s, run_dir, resume, d, observers)
     except BaseException as err:
         if d.enabled and not decided:  # the other ranks wait for a decision: they stop too
             distributed.broadcast(("error", str(err) if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"))
@@ -430,7 +433,8 @@ def write_provenance(run_dir: Path, raw: dict[str, Any], overrides: list[str] | 
 
 
 def execute(
-    s: Settings, run_dir: Path, resume: dict[str, Any] | None = None, d: Dist = distributed.SINGLE
+    s: Settings, run_dir: Path, resume: dict[str, Any] | None = None, d: Dist = distributed.SINGLE,
+    observers: Sequence[Observer] = (),
 ) -> dict[str, Any]:
     """Build, train, test and record one run; ``resume``: a checkpoint this run's settings wrote earlier.
 
@@ -454,7 +458,7 @@ def execute(
     signals = StopSignals(distributed.lost_peers if d.enabled else None)
     with signals:
         try:
-            tracker = _execute(s, run_dir, resume, record, signals, saved, d)
+            tracker = _execute(s, run_dir, resume, record, signals, saved, d, observers)
         except Interrupted as stop:  # a signal stopped the run at once
             signals.at("save", "the run's record")
             record.status, record.signal, record.reason = "interrupted", stop.name, stop.describe()
@@ -547,7 +551,7 @@ def save_trained(run_dir: Path, model: Any, s: Settings, record: RunRecord, outc
 
 def _execute(
     s: Settings, run_dir: Path, resume: dict[str, Any] | None, record: RunRecord, signals: StopSignals,
-    saved: list[int | None], d: Dist = distributed.SINGLE,
+    saved: list[int | None], d: Dist = distributed.SINGLE, observers: Sequence[Observer] = (),
 ) -> Tracker:
     """The body of ``execute``: fills ``record`` as it goes; returns the tracker it opened. ``saved[0]``: the
     step of each checkpoint written."""
@@ -557,10 +561,7 @@ def _execute(
     optimizer, schedule, device = b.optimizer, b.schedule, b.device
     if b.demonstrations is not None:
         record.demonstrations = b.demonstrations
-    objective = build_objective(s.task, data, enc, tok, s.model.max_length, s.train.eval_batch_size)
-    objective = dataclasses.replace(objective, token_weighted=s.train.lm_reduction == "token")
-    scorer = dataclasses.replace(b.scorer, objective=objective)
-    scorer, calibration = calibrate(scorer, s.calibration, b.content_free, enc["dev"], s.train.eval_batch_size)
+    scorer, calibration = calibrate(b.scorer, s.calibration, b.content_free, enc["dev"], s.train.eval_batch_size)
     if calibration is not None:
         record.calibration = calibration
         log.info("calibration %s: bias per candidate %s", s.calibration, [round(v, 4) for v in calibration["bias"]])
@@ -618,7 +619,7 @@ def _execute(
                             scorer.batches(enc["eval"], s.train.eval_batch_size, sort=True))
             spread = Spread(d.rank, d.world_size, s.distributed.mode) if d.enabled else None
             loop = Loop(tracker, DivergenceMonitor(s.divergence), s.seed, schedule, b.length, checkpoints, spread,
-                        guard=s.guard)
+                        guard=s.guard, observers=observers)
             outcome = train(scorer, optimizer, splits, s.train, loop)
         signals.at("save", "the run's record")
     except BaseException:

@@ -12,7 +12,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from adazeta.distributed import Spread, all_sum_, signals_by_rank
 from adazeta.errors import ConfigError
 from adazeta.evaluate import EvalResult, evaluate
-from adazeta.guards import GuardConfig, UpdateGuard, ranks_agree
+from adazeta.guards import GuardConfig, UpdateCheck, UpdateGuard, ranks_agree
 from adazeta.optim import zeroth_order
 from adazeta.optim.batched import ReplicaClosure
 from adazeta.rundir import Interrupted
@@ -178,6 +178,7 @@ class Loop:
     checkpoints: Checkpoints | None = None
     spread: Spread | None = None
     guard: GuardConfig = dataclasses.field(default_factory=GuardConfig)  # update measurements, stall stop, checksum
+    observers: Sequence["Observer"] = ()  # tools watching the run (``Observer``); they change no number
 
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -222,202 +223,306 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
     ``scorer.objective`` is the task's: classification by default; the LM loss (COPA, ReCoRD); generation
     (SQuAD, DROP: scored by F1 of greedy generations, optionally trained on -F1 by ZO methods).
     Every rank of a run on several processes (``loop.spread``) runs this loop on the same data and takes the same
-    decisions.
+    decisions. The pieces (``LoopState``: evaluations, the step, checkpoints) are below, in the order they run.
     """
-    model, device, obj = scorer.model, scorer.device, scorer.objective
-    tracker, monitor, spread, length, guard = loop.tracker, loop.monitor, loop.spread, loop.length, loop.guard
-    ckpt = loop.checkpoints or Checkpoints(save=lambda state: None)
-    if obj.zo_loss is not None and optimizer is not None and not zeroth_order(optimizer):
-        raise ConfigError(
-            "task.f1_objective=true trains on the F1 of generated answers, which has no gradient: "
-            "use a zeroth-order method, or set task.f1_objective=false"
-        )
+    t = LoopState(scorer, optimizer, splits, cfg, loop)
+    if t.resume is None:
+        t.initial = t.best = t.dev_eval(0)
+        reason = t.monitor.update(t.initial.loss, t.initial.tied) if t.initial.n else None
+        if reason is not None:  # e.g. an adapter init that already overflows: nothing to train from
+            t.status, t.reason = "diverged", reason
+            return Outcome(t.status, reason, 0, 0, t.initial, t.initial, t.final_test(0), 0)
+        t.best_state = trainable_state(t.model) if cfg.keep_best and optimizer else None
+    else:
+        t.restore_evaluations()
+    if optimizer is None:
+        return Outcome(t.status, t.reason, 0, 0, t.initial, t.best, t.final_test(0), 0)
 
-    def dev_eval(step: int) -> EvalResult:
+    t.start_training()  # data order, update guard, progress; a resumed run's weights, optimizer and generators
+    for step in t.steps():
+        epoch, chosen = t.batches.at(step, splits.train)
+        loss, n_queries, check = t.take_step(step, epoch, chosen)
+        reason = t.monitor.non_finite(loss)
+        if reason is None and check is not None and (reason := t.updates.stalled(optimizer)) is not None:
+            t.status, t.reason = "stalled", reason
+            break
+        out_of_budget = t.budget is not None and t.forward_passes >= t.budget
+        if reason is None and t.evals.due(step, t.forward_passes, out_of_budget):
+            reason = t.evaluate(step)
+        if reason is not None:
+            t.status, t.reason = "diverged", reason
+            break
+        if out_of_budget:
+            break
+        stop = _stop_request(t.ckpt, t.spread, t.device)  # every rank stops at the same step
+        if stop is not None:
+            t.save(step)
+            t.progress.close()
+            return t.outcome_interrupted(stop, f"{stop[1]} at step {step}")
+        if cfg.checkpoint_every is not None and step % cfg.checkpoint_every == 0 and step < t.max_steps:
+            t.save(step)
+    return t.finish()
+
+
+class Observer:
+    """Watches a real run from the loop (diagnostics, benches) instead of copying it: ``on_step`` after each
+    step's record (``row``: the metrics.csv row), ``on_eval`` after each evaluation. Must not change the model,
+    the optimizer or any generator: the run's numbers are the same with or without observers."""
+
+    def on_step(self, step: int, row: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def on_eval(self, step: int, split: str, result: EvalResult) -> None:
+        pass
+
+
+class Batches:
+    """The training minibatches: a permutation of the train split per epoch from one seeded generator (the data
+    order only; ZO perturbations have their own streams), resumable from its state."""
+
+    def __init__(self, n: int, batch_size: int, per_epoch: int, seed: int):
+        self.n, self.batch_size, self.per_epoch = n, batch_size, per_epoch
+        self.gen = torch.Generator().manual_seed(seed)
+        self.order = torch.randperm(n, generator=self.gen)
+
+    def at(self, step: int, train: Sequence[Encoded]) -> tuple[int, list[Encoded]]:
+        """(epoch, the examples of ``step``), 1-based steps; a new permutation at each epoch's first step."""
+        epoch, slot = divmod(step - 1, self.per_epoch)
+        if slot == 0 and step > 1:
+            self.order = torch.randperm(self.n, generator=self.gen)
+        return epoch, [train[i] for i in self.order[slot * self.batch_size : (slot + 1) * self.batch_size].tolist()]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"order_gen": self.gen.get_state(), "order": self.order}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.gen.set_state(state["order_gen"])
+        self.order = state["order"]
+
+
+class EvalSchedule:
+    """When dev is evaluated: every ``eval_every`` steps, or each time ``eval_every_forwards`` more forward passes
+    were spent; and always at the last step and when the forward budget runs out."""
+
+    def __init__(self, cfg: TrainConfig, max_steps: int, last_forwards: int = 0):
+        self.every, self.every_forwards, self.max_steps = cfg.eval_every, cfg.eval_every_forwards, max_steps
+        self.last_forwards = last_forwards  # forward passes at the last evaluation
+
+    def due(self, step: int, forwards: int, out_of_budget: bool) -> bool:
+        if self.every_forwards is None:
+            due = step % self.every == 0
+        else:
+            due = forwards // self.every_forwards > self.last_forwards // self.every_forwards
+        return due or step == self.max_steps or out_of_budget
+
+
+class LoopState:
+    """The training loop's state and its named pieces: evaluations, one step, checkpoints, the end of a run."""
+
+    def __init__(self, scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Splits, cfg: TrainConfig,
+                 loop: Loop):
+        self.scorer, self.optimizer, self.splits, self.cfg, self.loop = scorer, optimizer, splits, cfg, loop
+        self.model, self.device, self.obj = scorer.model, scorer.device, scorer.objective
+        self.monitor, self.spread = loop.monitor, loop.spread
+        self.ckpt = loop.checkpoints or Checkpoints(save=lambda state: None)
+        self.resume = self.ckpt.resume
+        if self.obj.zo_loss is not None and optimizer is not None and not zeroth_order(optimizer):
+            raise ConfigError(
+                "task.f1_objective=true trains on the F1 of generated answers, which has no gradient: "
+                "use a zeroth-order method, or set task.f1_objective=false"
+            )
+        self.status, self.reason, self.step = "finished", None, 0
+        self.best_step, self.best_state, self.forward_passes = 0, None, 0
+        self.done: tuple[str, str | None] | None = None  # a resumed run whose training had ended: test only
+        self.training = False  # start_training() ran: the state can be checkpointed
+
+    # --- evaluations -------------------------------------------------------------------------------------------
+
+    def dev_eval(self, step: int) -> EvalResult:
         # A training run stops at the next step boundary; a training-free one finishes its evaluations first.
-        ckpt.at("step" if optimizer is not None else "final", f"the dev evaluation at step {step}")
-        result = evaluate(scorer, splits.dev, obj.dev_generation, desc=f"dev@{step}", keep=True)
+        self.ckpt.at("step" if self.optimizer is not None else "final", f"the dev evaluation at step {step}")
+        result = evaluate(self.scorer, self.splits.dev, self.obj.dev_generation, desc=f"dev@{step}", keep=True)
         if result.n:  # a training-free run without a train split has no dev set
-            tracker.log_eval(step, "dev", result.loss, result.score, result.tied)
+            self.loop.tracker.log_eval(step, "dev", result.loss, result.score, result.tied)
+            for observer in self.loop.observers:
+                observer.on_eval(step, "dev", result)
         return result
 
-    save: Callable[..., None] | None = None  # the loop's state to a checkpoint (a run that trains)
-
-    def final_test(tested_step: int) -> EvalResult:
+    def final_test(self, tested_step: int) -> EvalResult:
         """The test evaluation, as the last thing the run does: a first signal lets it finish; a second stops at
         once, after a checkpoint of the trained state (the same command then runs the test alone)."""
-        ckpt.at("final", "the final test evaluation")
+        self.ckpt.at("final", "the final test evaluation")
         try:
-            result = evaluate(scorer, splits.test, obj.test_generation, desc="test", keep=True)
-            tracker.log_eval(tested_step, "test", result.loss, result.score, result.tied)
+            result = evaluate(self.scorer, self.splits.test, self.obj.test_generation, desc="test", keep=True)
+            self.loop.tracker.log_eval(tested_step, "test", result.loss, result.score, result.tied)
         except Interrupted:
-            if save is not None:
-                save(step, done=(status, reason))
+            if self.training:  # a run that trains: keep what it trained, the test alone is left
+                self.save(self.step, done=(self.status, self.reason))
             raise
-        ckpt.at("save", "the run's record")
+        for observer in self.loop.observers:
+            observer.on_eval(tested_step, "test", result)
+        self.ckpt.at("save", "the run's record")
         return result
 
-    resume = ckpt.resume
-    status, reason, step = "finished", None, 0
-    if resume is None:
-        initial = best = dev_eval(0)
-        reason = monitor.update(initial.loss, initial.tied) if initial.n else None
-        if reason is not None:  # e.g. an adapter init that already overflows: nothing to train from
-            status = "diverged"
-            return Outcome(status, reason, 0, 0, initial, initial, final_test(0), 0)
-        best_step, best_state = 0, (trainable_state(model) if cfg.keep_best and optimizer else None)
-    else:
-        initial, best = EvalResult.restore(resume["initial"]), EvalResult.restore(resume["best"])
-        best_step, best_state = resume["best_step"], resume["best_state"]
-        monitor.load_state_dict(resume["monitor"])
-    forward_passes = 0
+    def restore_evaluations(self) -> None:
+        r = self.resume
+        self.initial, self.best = EvalResult.restore(r["initial"]), EvalResult.restore(r["best"])
+        self.best_step, self.best_state = r["best_step"], r["best_state"]
+        self.monitor.load_state_dict(r["monitor"])
 
-    if optimizer is not None:
-        zo = zeroth_order(optimizer)
-        if length is None:
-            length = RunLength(steps_per_epoch(len(splits.train), cfg.batch_size), cfg.max_steps,
-                               cfg.max_forward_passes, 0.0)
-        per_epoch, max_steps, budget = length.steps_per_epoch, length.max_steps, length.max_forward_passes
-        order_gen = torch.Generator().manual_seed(loop.seed)  # data order only; perturbations have their own
-        order = torch.randperm(len(splits.train), generator=order_gen)
-        trainable = [p for group in optimizer.param_groups for p in group["params"]]
-        updates = UpdateGuard(trainable, guard, loop.seed)  # measured updates, the stall stop (adazeta.guards)
-        last_eval_forwards, first_step = 0, 1
+    def evaluate(self, step: int) -> str | None:
+        """Dev at ``step``: keep the state if it is the best so far; the divergence rule's verdict."""
+        self.evals.last_forwards = self.forward_passes
+        result = self.dev_eval(step)
+        cfg = self.cfg
+        # A collapsed model's loss (exactly ln #candidates) can be below a high start: never keep it.
+        if step >= cfg.select_from and not self.monitor.collapsed(result.tied) and (
+                self.best_step < cfg.select_from or better(result, self.best, cfg.select_on)):
+            self.best, self.best_step = result, step
+            self.best_state = trainable_state(self.model) if cfg.keep_best else None
+        self.progress.evaluated(step, result.score, result.metric, result.loss, self.best_step)
+        return self.monitor.update(result.loss, result.tied)
+
+    # --- training ----------------------------------------------------------------------------------------------
+
+    def start_training(self) -> None:
+        cfg, loop, optimizer, resume = self.cfg, self.loop, self.optimizer, self.resume
+        self.training, self.zo = True, zeroth_order(optimizer)
+        length = loop.length or RunLength(steps_per_epoch(len(self.splits.train), cfg.batch_size), cfg.max_steps,
+                                          cfg.max_forward_passes, 0.0)
+        self.max_steps, self.budget = length.max_steps, length.max_forward_passes
+        self.batches = Batches(len(self.splits.train), cfg.batch_size, length.steps_per_epoch, loop.seed)
+        self.trainable = [p for group in optimizer.param_groups for p in group["params"]]
+        self.updates = UpdateGuard(self.trainable, loop.guard, loop.seed)  # measured updates, the stall stop
+        self.evals, first_step = EvalSchedule(cfg, self.max_steps), 1
         if resume is not None:
-            load_trainable_state_(model, resume["trainable"])
+            load_trainable_state_(self.model, resume["trainable"])
             optimizer.load_state_dict(resume["optimizer"])
-            order_gen.set_state(resume["order_gen"])
-            order = resume["order"]
+            self.batches.load_state_dict(resume)
             set_rng_state(resume["rng"])
-            step = resume["step"]
-            first_step, forward_passes, last_eval_forwards = step + 1, resume["forward_passes"], resume["last_eval_forwards"]
-            updates.load_state_dict(resume.get("stalls", []))
-        done = resume.get("done") if resume is not None else None
-        if done is not None:  # the checkpoint of a trained run, written before its test evaluation: test it
-            status, reason = done
-
-        def save(at_step: int, done: tuple[str, str | None] | None = None) -> None:
-            """``done``: training ended (status, reason) and only the test evaluation is left."""
-            ckpt.save({
-                "step": at_step, "forward_passes": forward_passes, "last_eval_forwards": last_eval_forwards,
-                "trainable": trainable_state(model), "optimizer": optimizer.state_dict(),
-                "order_gen": order_gen.get_state(), "order": order, "rng": rng_state(),
-                "initial": dataclasses.asdict(initial), "best": dataclasses.asdict(best), "best_step": best_step,
-                "best_state": best_state, "monitor": monitor.state_dict(), "done": done,
-                "stalls": updates.state_dict(),
-            })
-
-        ddp = None
-        if spread is not None and not zo:  # gradients averaged over the ranks' shards
-            ddp = DistributedDataParallel(LossModule(scorer), device_ids=[device.index] if device.type == "cuda" else None,
-                                          broadcast_buffers=False)
-        progress = Progress(max_steps, initial=first_step - 1, budget=budget, initial_forwards=forward_passes,
-                            select_on=cfg.select_on)
+            self.step = resume["step"]
+            first_step, self.forward_passes = self.step + 1, resume["forward_passes"]
+            self.evals.last_forwards = resume["last_eval_forwards"]
+            self.updates.load_state_dict(resume.get("stalls", []))
+            self.done = resume.get("done")
+            if self.done is not None:  # the checkpoint of a trained run, written before its test evaluation
+                self.status, self.reason = self.done
+        self.first_step = first_step
+        self.ddp = None
+        if self.spread is not None and not self.zo:  # gradients averaged over the ranks' shards
+            self.ddp = DistributedDataParallel(
+                LossModule(self.scorer), device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False)
+        self.progress = Progress(self.max_steps, initial=first_step - 1, budget=self.budget,
+                                 initial_forwards=self.forward_passes, select_on=cfg.select_on)
         if resume is not None:
-            progress.evaluated(best_step, best.score, best.metric, best.loss, best_step)
-        for step in range(first_step, (max_steps if done is None else step) + 1):
-            ckpt.at("step", f"step {step}")
-            epoch, slot = divmod(step - 1, per_epoch)
-            if slot == 0 and step > 1:
-                order = torch.randperm(len(splits.train), generator=order_gen)
-            chosen = [splits.train[i] for i in order[slot * cfg.batch_size : (slot + 1) * cfg.batch_size].tolist()]
-            if obj.trains_on_gold_only:
-                chosen = gold_only(chosen)
-            measured = updates.before(step)
-            start = time.perf_counter()
-            if zo:
-                n_queries = loop.schedule(epoch)
-                plan = spread.plan(n_queries, len(chosen)) if spread is not None else None
-                mine = plan.items(chosen) if plan is not None else chosen  # this rank's shard (all: one process)
-                if not mine:  # more ranks than examples: this rank adds nothing to the step's losses
-                    closure = _no_examples
-                elif obj.zo_loss is not None:
-                    closure = functools.partial(obj.zo_loss, model, mine)
-                else:
-                    # A ReplicaClosure also lets a batched_queries optimizer score all perturbations at once.
-                    batch = scorer.collate(mine)
-                    closure = ReplicaClosure(model, functools.partial(scorer.replica_losses, batch), batch)
-                loss = optimizer.step(closure, n_queries=n_queries, **({"plan": plan} if plan is not None else {}))
-                forward_passes = optimizer.forward_passes
-            else:
-                n_queries = 0
-                loss = first_order_step(scorer, optimizer, chosen, cfg.grad_accum, ddp=ddp, spread=spread)
-                forward_passes += cfg.grad_accum
-            loss_value = float(loss)  # one host sync per step, never per query
-            sync(device)
-            step_time = time.perf_counter() - start
-            norm = float(param_norm(trainable))
-            check = updates.after(optimizer, step) if measured else None
-            tracker.log_step(
-                {
-                    "step": step,
-                    "epoch": epoch,
-                    "loss": loss_value,
-                    "n_queries": n_queries,
-                    "forward_passes": forward_passes,
-                    "lr": optimizer.param_groups[0]["lr"],
-                    "step_time_s": round(step_time, 4),
-                    "peak_mem_mb": round(peak_memory_mb(device), 1),
-                    "param_norm": round(norm, 6),
-                    **UpdateGuard.columns(check),
-                }
-            )
-            progress.step(step, loss_value, n_queries, forward_passes)
-            if spread is not None and guard.checksum_every and step % guard.checksum_every == 0 \
-                    and not ranks_agree(trainable):
-                raise RuntimeError(f"the processes' trainable weights differ at step {step} (checksum over "
-                                   f"{len(trainable)} tensors): the ranks no longer train one model")
-            reason = monitor.non_finite(loss_value)
-            if reason is None and check is not None and (reason := updates.stalled(optimizer)) is not None:
-                status = "stalled"
-                break
-            out_of_budget = budget is not None and forward_passes >= budget
-            if cfg.eval_every_forwards is None:
-                due = step % cfg.eval_every == 0
-            else:
-                due = forward_passes // cfg.eval_every_forwards > last_eval_forwards // cfg.eval_every_forwards
-            if reason is None and (due or step == max_steps or out_of_budget):
-                last_eval_forwards = forward_passes
-                result = dev_eval(step)
-                # A collapsed model's loss (exactly ln #candidates) can be below a high start: never keep it.
-                if step >= cfg.select_from and not monitor.collapsed(result.tied) and (
-                        best_step < cfg.select_from or better(result, best, cfg.select_on)):
-                    best, best_step = result, step
-                    best_state = trainable_state(model) if cfg.keep_best else None
-                progress.evaluated(step, result.score, result.metric, result.loss, best_step)
-                reason = monitor.update(result.loss, result.tied)
-            if reason is not None:
-                status = "diverged"
-                break
-            if out_of_budget:
-                break
-            stop = _stop_request(ckpt, spread, device)  # every rank stops at the same step
-            if stop is not None:
-                save(step)
-                progress.close()
-                return Outcome("interrupted", f"{stop[1]} at step {step}", step, best_step, initial, best, None,
-                               forward_passes, stop[0])
-            if cfg.checkpoint_every is not None and step % cfg.checkpoint_every == 0 and step < max_steps:
-                save(step)
-        progress.close()
-        ckpt.at("step", "the end of training")
+            self.progress.evaluated(self.best_step, self.best.score, self.best.metric, self.best.loss, self.best_step)
+
+    def steps(self) -> Iterator[int]:
+        """The steps left to take (none when a resumed run had finished training), each announced to the signal
+        handling."""
+        last = self.max_steps if self.done is None else self.step
+        for step in range(self.first_step, last + 1):
+            self.step = step
+            self.ckpt.at("step", f"step {step}")
+            yield step
+
+    def take_step(self, step: int, epoch: int, chosen: list[Encoded]) -> tuple[float, int, UpdateCheck | None]:
+        """One optimizer step on ``chosen``, its record (metrics.csv, wandb, observers) and its checks: (loss,
+        queries, the update guard's measurement or None)."""
+        optimizer, loop = self.optimizer, self.loop
+        if self.obj.trains_on_gold_only:
+            chosen = gold_only(chosen)
+        measured = self.updates.before(step)
+        start = time.perf_counter()
+        if self.zo:
+            n_queries = loop.schedule(epoch)
+            closure, plan = step_closure(self.scorer, chosen, n_queries, self.spread)
+            loss = optimizer.step(closure, n_queries=n_queries, **({"plan": plan} if plan is not None else {}))
+            self.forward_passes = optimizer.forward_passes
+        else:
+            n_queries = 0
+            loss = first_order_step(self.scorer, optimizer, chosen, self.cfg.grad_accum, ddp=self.ddp,
+                                    spread=self.spread)
+            self.forward_passes += self.cfg.grad_accum
+        loss_value = float(loss)  # one host sync per step, never per query
+        sync(self.device)
+        step_time = time.perf_counter() - start
+        check = self.updates.after(optimizer, step) if measured else None
+        row = {
+            "step": step,
+            "epoch": epoch,
+            "loss": loss_value,
+            "n_queries": n_queries,
+            "forward_passes": self.forward_passes,
+            "lr": optimizer.param_groups[0]["lr"],
+            "step_time_s": round(step_time, 4),
+            "peak_mem_mb": round(peak_memory_mb(self.device), 1),
+            "param_norm": round(float(param_norm(self.trainable)), 6),
+            **UpdateGuard.columns(check),
+        }
+        loop.tracker.log_step(row)
+        for observer in loop.observers:
+            observer.on_step(step, row, optimizer)
+        self.progress.step(step, loss_value, n_queries, self.forward_passes)
+        guard = loop.guard
+        if self.spread is not None and guard.checksum_every and step % guard.checksum_every == 0 \
+                and not ranks_agree(self.trainable):
+            raise RuntimeError(f"the processes' trainable weights differ at step {step} (checksum over "
+                               f"{len(self.trainable)} tensors): the ranks no longer train one model")
+        return loss_value, n_queries, check
+
+    # --- checkpoints and the end of a run ----------------------------------------------------------------------
+
+    def save(self, at_step: int, done: tuple[str, str | None] | None = None) -> None:
+        """The loop's state to a checkpoint; ``done``: training ended (status, reason), only the test is left."""
+        self.ckpt.save({
+            "step": at_step, "forward_passes": self.forward_passes, "last_eval_forwards": self.evals.last_forwards,
+            "trainable": trainable_state(self.model), "optimizer": self.optimizer.state_dict(),
+            **self.batches.state_dict(), "rng": rng_state(),
+            "initial": dataclasses.asdict(self.initial), "best": dataclasses.asdict(self.best),
+            "best_step": self.best_step, "best_state": self.best_state, "monitor": self.monitor.state_dict(),
+            "done": done, "stalls": self.updates.state_dict(),
+        })
+
+    def outcome_interrupted(self, stop: tuple[str, str], reason: str) -> Outcome:
+        return Outcome("interrupted", reason, self.step, self.best_step, self.initial, self.best, None,
+                       self.forward_passes, stop[0])
+
+    def finish(self) -> Outcome:
+        """After the last step: a last stop check, the closing checkpoint, the best-dev state back, the test."""
+        self.progress.close()
+        self.ckpt.at("step", "the end of training")
         # A signal after the loop's last check (a divergence or the forward budget ended it): checkpoint the
         # trained run and stop before its test evaluation, as at the last step.
-        stop = _stop_request(ckpt, spread, device)
+        stop = _stop_request(self.ckpt, self.spread, self.device)
         if stop is not None:
-            save(step, done=(status, reason))
-            return Outcome("interrupted", f"{stop[1]} at step {step}, before the test evaluation", step, best_step,
-                           initial, best, None, forward_passes, stop[0])
-        if cfg.checkpoint_every is not None:  # a run killed during its test evaluation resumes to the test alone
-            save(step, done=(status, reason))
-        last_state = trainable_state(model) if cfg.save in ("last", "both") else None
-        if cfg.keep_best and best_state is not None:
-            load_trainable_state_(model, best_state)
-        elif not cfg.keep_best:
-            best_step = step
+            self.save(self.step, done=(self.status, self.reason))
+            return self.outcome_interrupted(stop, f"{stop[1]} at step {self.step}, before the test evaluation")
+        if self.cfg.checkpoint_every is not None:  # a run killed during its test evaluation resumes to the test
+            self.save(self.step, done=(self.status, self.reason))
+        last_state = trainable_state(self.model) if self.cfg.save in ("last", "both") else None
+        if self.cfg.keep_best and self.best_state is not None:
+            load_trainable_state_(self.model, self.best_state)
+        elif not self.cfg.keep_best:
+            self.best_step = self.step
+        return Outcome(self.status, self.reason, self.step, self.best_step, self.initial, self.best,
+                       self.final_test(self.best_step), self.forward_passes, last_state=last_state)
 
-    return Outcome(status, reason, step, best_step, initial, best, final_test(best_step), forward_passes,
-                   last_state=last_state if optimizer is not None else None)
+
+def step_closure(scorer: Scorer, chosen: list[Encoded], n_queries: int,
+                 spread: Spread | None) -> tuple[Callable[[], torch.Tensor], Any]:
+    """A ZO step's closure over this rank's share of ``chosen`` (all of it on one process), and the rank's plan."""
+    plan = spread.plan(n_queries, len(chosen)) if spread is not None else None
+    mine = plan.items(chosen) if plan is not None else chosen  # this rank's shard (all: one process)
+    obj = scorer.objective
+    if not mine:  # more ranks than examples: this rank adds nothing to the step's losses
+        return _no_examples, plan
+    if obj.zo_loss is not None:
+        return functools.partial(obj.zo_loss, scorer.model, mine), plan
+    # A ReplicaClosure also lets a batched_queries optimizer score all perturbations at once.
+    batch = scorer.collate(mine)
+    return ReplicaClosure(scorer.model, functools.partial(scorer.replica_losses, batch), batch), plan
 
 
 def _stop_request(ckpt: Checkpoints, spread: Spread | None, device: torch.device) -> tuple[str, str] | None:
