@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from adazeta.adapters import ADAPTERS
 from adazeta.adapters.bottleneck import count_bottleneck_adapters
+from adazeta.build import attach_adapter
 from adazeta.adapters.tt import count_adapters
 from adazeta.models import architecture_summary, build_meta_model, count_parameters
 
@@ -120,8 +120,7 @@ def count_all_adapters(model: torch.nn.Module) -> int:
 
 
 def dry_run(s: "Settings") -> dict[str, Any]:
-    model = build_meta_model(s.model)
-    model = ADAPTERS.get(s.adapter.kind).builder(model, s.adapter.config)
+    model = attach_adapter(s, build_meta_model(s.model))  # the adapter attaches as in a run
     total, trainable = count_parameters(model)
     record = {
         "model": s.model.name,
