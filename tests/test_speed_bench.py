@@ -1,4 +1,4 @@
-"""adazeta.bench (``make bench``) on a tiny random model and fixture data: every measurement lands in the CSV."""
+"""adazeta.tools.bench (``make bench``) on a tiny random model and fixture data: every measurement lands in the CSV."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from adazeta import bench
+from adazeta.tools import bench
 from adazeta.dryrun import dry_run
 from adazeta.optim.zo_sgd import ZOSGD
 

@@ -2,9 +2,9 @@
 throughput, peak memory.
 
     make bench                                           # SmolLM2-135M, 16 real SST-2 prompts, CPU or GPU
-    python -m adazeta.bench --repeats 5 --queries 1 4 8 --chunks 4 8
-    python -m adazeta.bench --weights random --dtype bf16            # no model or data file: random weights
-    python -m adazeta.bench --model llama-1b-random --dtype bf16     # a GPU: random ~1.1 B Llama, bf16 backbone
+    python -m adazeta.tools.bench --repeats 5 --queries 1 4 8 --chunks 4 8
+    python -m adazeta.tools.bench --weights random --dtype bf16            # no model or data file: random weights
+    python -m adazeta.tools.bench --model llama-1b-random --dtype bf16     # a GPU: random ~1.1 B Llama, bf16 backbone
     scripts/bench_gpu.sh                                             # both of the above on a GPU, into $OUT
 
 One run measures, on one batch of ``--batch-size`` SST-2 training prompts (the project's loader and template,
@@ -57,12 +57,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adazeta.bench_memory import _reset_rss_peak, _status_kib
+from adazeta.tools.bench_memory import _reset_rss_peak, _status_kib
 from adazeta.adapters import tt
 from adazeta.adapters.tt import TTAdapter
 from adazeta.evaluate import evaluate
 from adazeta.models import LoadedModel, ModelSource, architecture_config, load_model, resolve_device
-from adazeta.offline import use_shared
+from adazeta.tools.offline import use_shared
 from adazeta.optim.batched import ReplicaClosure
 from adazeta.optim import spsa
 from adazeta.optim.spsa import NOISE_STREAMS
@@ -696,7 +696,7 @@ def measure_memory(args: argparse.Namespace, report: Report) -> None:
     phases = ["inference", "adazeta", *(f"adazeta_batched:{c}" for c in args.chunks), "first_order",
               *(f"method:{m}" for m in args.methods)]
     for phase in phases:
-        cmd = [sys.executable, "-m", "adazeta.bench", *sys.argv[1:], "--phase", phase]
+        cmd = [sys.executable, "-m", "adazeta.tools.bench", *sys.argv[1:], "--phase", phase]
         print(f"memory: {phase} ...", file=sys.stderr, flush=True)
         out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
         if out.returncode != 0:
