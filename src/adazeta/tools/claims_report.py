@@ -1,5 +1,7 @@
 """The report of a pre-registered claims experiment (``cpu_zo_claims``): each endpoint's verdict with its test.
 
+Over 400 lines: one report, each endpoint's test beside its table (optimizers_report reuses them).
+
     python -m adazeta.tools.claims_report [cpu_zo_claims] [--out results]
 
 Reads only the run files under results/runs/<experiment>/ (result.json, eval.csv, metrics.csv,
