@@ -68,48 +68,48 @@ dry-run: setup
 	$(BIN)/adazeta-run model=llama2-7b method=adazeta dry_run=true hydra.run.dir=/tmp/adazeta-dry-run
 
 tables: setup
-	$(BIN)/python -m adazeta.make_tables
+	$(BIN)/python -m adazeta.tools.make_tables
 
 # Figures go to outputs/figures, which is not committed: a run records whether its checkout is dirty, and
 # regenerated committed figures would make every later run dirty. FIGURES=results/figures refreshes the committed
 # ones; any figure is rewritten only when its picture changes, so the same results leave them untouched.
 FIGURES ?= outputs/figures
 figures: setup
-	$(BIN)/python -m adazeta.make_figures --out $(FIGURES)
+	$(BIN)/python -m adazeta.tools.make_figures --out $(FIGURES)
 
 cpu-convergence: setup
 	$(BIN)/adazeta-run -m experiment=cpu_convergence wandb.mode=offline
 
 cpu-zo: setup
-	$(BIN)/python -m adazeta.experiment cpu_zo wandb.mode=offline
+	$(BIN)/python -m adazeta.tools.experiment cpu_zo wandb.mode=offline
 
 cpu-zo-report: setup
-	$(BIN)/python -m adazeta.cpu_zo_report
-	$(BIN)/python -m adazeta.make_tables
+	$(BIN)/python -m adazeta.tools.cpu_zo_report
+	$(BIN)/python -m adazeta.tools.make_tables
 
 cpu-zo-claims: setup
-	$(BIN)/python -m adazeta.experiment cpu_zo_claims wandb.mode=offline
+	$(BIN)/python -m adazeta.tools.experiment cpu_zo_claims wandb.mode=offline
 
 cpu-zo-claims-report: setup
-	$(BIN)/python -m adazeta.claims_report cpu_zo_claims
+	$(BIN)/python -m adazeta.tools.claims_report cpu_zo_claims
 
 cpu-zo-optimizers: setup
-	$(BIN)/python -m adazeta.experiment cpu_zo_optimizers --phase select --jobs 2 --threads 1 wandb.mode=offline
-	$(BIN)/python -m adazeta.experiment cpu_zo_optimizers --phase seeds --jobs 2 --threads 1 wandb.mode=offline
+	$(BIN)/python -m adazeta.tools.experiment cpu_zo_optimizers --phase select --jobs 2 --threads 1 wandb.mode=offline
+	$(BIN)/python -m adazeta.tools.experiment cpu_zo_optimizers --phase seeds --jobs 2 --threads 1 wandb.mode=offline
 
 cpu-zo-optimizers-report: setup
-	$(BIN)/python -m adazeta.optimizers_report cpu_zo_optimizers
+	$(BIN)/python -m adazeta.tools.optimizers_report cpu_zo_optimizers
 
 grad-fidelity: setup
-	$(BIN)/python -m adazeta.grad_fidelity
+	$(BIN)/python -m adazeta.tools.grad_fidelity
 
 bench-memory: setup
-	$(BIN)/python -m adazeta.bench_memory
+	$(BIN)/python -m adazeta.tools.bench_memory
 
 # e.g. make bench BENCH_ARGS="--repeats 5"; without model or data files: BENCH_ARGS="--weights random"
 BENCH_ARGS ?=
 bench: setup
-	$(BIN)/python -m adazeta.bench $(BENCH_ARGS)
+	$(BIN)/python -m adazeta.tools.bench $(BENCH_ARGS)
 
 OUT ?= results/bench/gpu
 bench-gpu: setup
@@ -118,7 +118,7 @@ bench-gpu: setup
 # e.g. make bench-dist DIST_ARGS="--procs 1 2 4 --threads 2 method=mezo_lora"
 DIST_ARGS ?=
 bench-dist: setup
-	$(BIN)/python -m adazeta.bench_dist $(DIST_ARGS)
+	$(BIN)/python -m adazeta.tools.bench_dist $(DIST_ARGS)
 
 clean:
 	rm -rf outputs multirun .pytest_cache

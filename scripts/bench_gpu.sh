@@ -22,7 +22,7 @@ COMMON=(--device cuda --dtype bf16 --out "$OUT" --eval-examples 64)
 run() {  # run LIMIT_SECONDS NAME ARGS...
   local limit=$1 name=$2; shift 2
   local start=$SECONDS
-  timeout "$limit" "$PY" -m adazeta.bench "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$PY" -m adazeta.tools.bench "$@" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? in $((SECONDS - start)) s (limit $limit s)" | tee -a "$OUT/timings.txt"
 }
 

@@ -13,7 +13,7 @@ from helpers import ROOT
 def test_bench_dist_reports_both_process_counts(fixture_data, tmp_path):
     out = tmp_path / "dist"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    cmd = [sys.executable, "-m", "adazeta.bench_dist", "--procs", "1", "2", "--queries", "4", "--steps", "1",
+    cmd = [sys.executable, "-m", "adazeta.tools.bench_dist", "--procs", "1", "2", "--queries", "4", "--steps", "1",
            "--out", str(out), "model=tiny-llama", "task=rte", f"data.dir={fixture_data}", "data.num_train=32",
            "data.num_dev=8", "data.num_eval=8"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)

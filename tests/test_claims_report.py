@@ -1,4 +1,4 @@
-"""adazeta.claims_report on hand-made run files: each endpoint's verdict follows the committed decision rules."""
+"""adazeta.tools.claims_report on hand-made run files: each endpoint's verdict follows the committed decision rules."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import yaml
 
-from adazeta import claims_report
-from adazeta.experiment import Job, grid
+from adazeta.tools import claims_report
+from adazeta.tools.experiment import Job, grid
 from helpers import ROOT
 
 CONFIG = yaml.safe_load((ROOT / "conf" / "experiment" / "cpu_zo_claims.yaml").read_text())
@@ -106,7 +106,7 @@ def test_unpaired_runs_are_refused(results):
 
 def test_the_readme_cpu_zo_table_is_the_reports():
     """The README's cpu_zo numbers are checked against results/tables/cpu_zo_report.md, which is generated from
-    the committed run files (python -m adazeta.cpu_zo_report)."""
+    the committed run files (python -m adazeta.tools.cpu_zo_report)."""
     import re
 
     report = (ROOT / "results" / "tables" / "cpu_zo_report.md").read_text()

@@ -1,4 +1,4 @@
-"""adazeta.experiment: grids at one seed, the dev-chosen lr for the other seeds and the stress test."""
+"""adazeta.tools.experiment: grids at one seed, the dev-chosen lr for the other seeds and the stress test."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from adazeta import experiment as driver
+from adazeta.tools import experiment as driver
 from helpers import ROOT
 
 CONFIG = {

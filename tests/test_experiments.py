@@ -269,7 +269,7 @@ def test_a_bad_paper_numbers_row_is_named_by_file_and_line(tmp_path, row, messag
 def test_make_tables_stops_on_a_bad_paper_file_with_one_line(tmp_path):
     bad = tmp_path / "paper.csv"
     bad.write_text("table,model,task,method,value,std,metric,source,confirmed\n")  # the schema before provenance
-    out = subprocess.run([sys.executable, "-m", "adazeta.make_tables", "--results", str(tmp_path / "none"), "--paper",
+    out = subprocess.run([sys.executable, "-m", "adazeta.tools.make_tables", "--results", str(tmp_path / "none"), "--paper",
                           str(bad), "--out", str(tmp_path / "tables")], cwd=ROOT, env=ENV, capture_output=True,
                          text=True)
     assert out.returncode == 2
@@ -311,7 +311,7 @@ def test_sweep_grid_seeds_table_and_rerun_skips(tmp_path, fixture_data):
     results = sorted((tmp_path / "runs").rglob("result.json"))
     assert len(results) == 8  # 2 methods x 2 learning rates x 2 seeds
     stamps = {p: p.stat().st_mtime_ns for p in results}
-    out = subprocess.run([sys.executable, "-m", "adazeta.make_tables", "--results", str(tmp_path / "runs"), "--out",
+    out = subprocess.run([sys.executable, "-m", "adazeta.tools.make_tables", "--results", str(tmp_path / "runs"), "--out",
                           str(tmp_path / "tables")], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     table = (tmp_path / "tables" / "sweeptest.md").read_text()
@@ -319,7 +319,7 @@ def test_sweep_grid_seeds_table_and_rerun_skips(tmp_path, fixture_data):
     selected = pd.read_csv(tmp_path / "tables" / "selected.csv")
     assert set(selected["settings_tried"]) == {2} and set(selected["runs"]) == {2}
 
-    figures = subprocess.run([sys.executable, "-m", "adazeta.make_figures", "--results", str(tmp_path / "runs"),
+    figures = subprocess.run([sys.executable, "-m", "adazeta.tools.make_figures", "--results", str(tmp_path / "runs"),
                               "--out", str(tmp_path / "figures")], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert figures.returncode == 0, figures.stderr
     assert (tmp_path / "figures" / "sweeptest_tiny-llama_rte.png").stat().st_size > 10_000

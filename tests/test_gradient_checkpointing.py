@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-from adazeta import bench_memory
+from adazeta.tools import bench_memory
 from adazeta.dryrun import memory_estimate
 from adazeta.errors import ConfigError
 from adazeta.evaluate import evaluate

@@ -470,7 +470,7 @@ def test_every_adapter_fits_every_architecture(kind, model_type, reference_targe
 def test_memory_benchmark_worker_runs_each_kind_of_step(data_dir):
     import argparse
 
-    from adazeta import bench_memory as bench
+    from adazeta.tools import bench_memory as bench
 
     args = argparse.Namespace(model="tiny-llama", task="rte", batch_size=4, steps=1, set=[f"data.dir={data_dir}"])
     rows = {m: bench.worker(m, args) for m in ("inference", "ft", "adazeta")}  # forward, AdamW step, ZO step

@@ -1,4 +1,4 @@
-"""adazeta.optimizers_report on hand-made run files: lr chosen on dev, shares, the goal, Holm-adjusted tests."""
+"""adazeta.tools.optimizers_report on hand-made run files: lr chosen on dev, shares, the goal, Holm-adjusted tests."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import yaml
 
-from adazeta import optimizers_report
-from adazeta.experiment import Job
+from adazeta.tools import optimizers_report
+from adazeta.tools.experiment import Job
 from helpers import ROOT
 
 NAME = "cpu_zo_optimizers"

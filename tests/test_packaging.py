@@ -40,6 +40,9 @@ def installed(tmp_path_factory) -> Path:
     names = zipfile.ZipFile(wheel).namelist()
     shipped = {n.removeprefix("adazeta/conf/") for n in names if n.startswith("adazeta/conf/")}
     assert shipped == {str(p.relative_to(ROOT / "conf")) for p in (ROOT / "conf").rglob("*.yaml")}
+    # The tools ship too (find_packages finds adazeta.tools and adazeta.tools.bench): every module of the checkout.
+    modules = {str(p.relative_to(ROOT / "src")) for p in (ROOT / "src" / "adazeta").rglob("*.py")}
+    assert modules <= set(names) and "adazeta/tools/bench/__main__.py" in modules
     target = out / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)
@@ -84,3 +87,13 @@ def test_a_users_config_folder_adds_a_task(installed, fixture_data, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads((tmp_path / "run" / "result.json").read_text())
     assert record["status"] == "finished" and record["task"] == "my_rte"
+
+
+def test_the_installed_tools_run_by_module_path(installed, tmp_path):
+    """``python -m adazeta.tools.bench`` (a package with ``__main__``) runs from the installed copy."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ADAZETA_CONFIG_DIR", "PYTHONPATH")}
+    env["PYTHONPATH"] = os.pathsep.join([str(installed), *site.getsitepackages()])
+    done = subprocess.run([sys.executable, "-m", "adazeta.tools.bench", "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("usage: python -m adazeta.tools.bench") and "--scaling-sizes" in done.stdout

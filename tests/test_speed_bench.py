@@ -1,4 +1,4 @@
-"""adazeta.bench (``make bench``) on a tiny random model and fixture data: every measurement lands in the CSV."""
+"""adazeta.tools.bench (``make bench``) on a tiny random model and fixture data: every measurement lands in the CSV."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from adazeta import bench
+from adazeta.adapters import tt
 from adazeta.dryrun import dry_run
+from adazeta.optim import spsa
 from adazeta.optim.zo_sgd import ZOSGD
+from adazeta.tools.bench import cli, common, forwards, memory, methods
 
 
 def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
@@ -23,7 +25,7 @@ def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
             "--chunks", "3", "--eval-examples", "6", "--eval-batch-size", "4", "--skip-memory", "--out", str(tmp_path),
             "--scaling-sizes", "2", "4", "--overhead-pairs", "3", "--overhead-long-pairs", "2"]
     monkeypatch.setattr(sys, "argv", argv)
-    bench.main()
+    cli.main()
     with open(tmp_path / "tiny-llama-cpu-fp32.csv") as f:
         rows = list(csv.DictReader(f))
     settings = {(r["measurement"], r["setting"]) for r in rows}
@@ -31,19 +33,19 @@ def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
         for mode in ("sequential", "batched (chunk 3)"):
             assert ("ZO step per query", f"Q={q}, {mode}") in settings
     assert {r["section"] for r in rows} == {"forward", "zo_step", "methods", "scaling", "first_order", "evaluation"}
-    assert ("inference forward", bench.REFERENCE_ROW) in settings
+    assert ("inference forward", forwards.REFERENCE_ROW) in settings
     ceiling = {(r["measurement"], r["setting"].split(" ")[0]) for r in rows if r["section"] == "evaluation"}
     for layout in ("batched", "one"):  # each layout's rate against the device's dense-matmul rate
         assert ("decoder-layer rate / dense matmul rate", layout) in ceiling
     assert any(m == "dense matmul rate" for m, _ in ceiling)
-    methods = {r["setting"].split(" ")[0] for r in rows if r["measurement"] == "ZO step / 2Q forwards"}
-    assert methods == set(bench.ZO_METHODS)
+    compared = {r["setting"].split(" ")[0] for r in rows if r["measurement"] == "ZO step / 2Q forwards"}
+    assert compared == set(common.ZO_METHODS)
     # Each method's draws of z in a step: on this tiny model every trainable set's z fits the step's keep limit,
     # so each draws it once (see below for a full model); the floor those draws put under a step is above 1.
     draws = {r["setting"].split(" ")[0]: float(r["median"]) for r in rows if r["measurement"] == "draws of z per step"}
-    assert draws == dict.fromkeys(bench.ZO_METHODS, 1.0)
+    assert draws == dict.fromkeys(common.ZO_METHODS, 1.0)
     floors = [r for r in rows if r["measurement"].startswith("floor:")]
-    assert len(floors) == len(bench.ZO_METHODS) and all(float(r["min"]) > 1 for r in floors)
+    assert len(floors) == len(common.ZO_METHODS) and all(float(r["min"]) > 1 for r in floors)
     for task in ("sst2", "rte"):
         assert sum(r["setting"].startswith(f"{task}, batch ") for r in rows if r["section"] == "scaling") == 4
     alone = {r["measurement"]: r for r in rows if r["measurement"].startswith("TT adapters alone")}
@@ -59,7 +61,7 @@ def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
     assert overhead["runs"] == "3" and overhead["setting"].endswith("3 pairs")  # its own rounds, a ratio per pair
     assert [r["setting"].split(" ")[0] for r in overheads] == ["SST-2", "RTE"] and overheads[1]["runs"] == "2"
     unfolded = next(r for r in rows if r["measurement"] == "TT adapters' forward overhead, unfolded products")
-    assert unfolded["runs"] == "3" and bench.tt.FOLD  # the ablation's rounds; the folded forward is back on after
+    assert unfolded["runs"] == "3" and tt.FOLD  # the ablation's rounds; the folded forward is back on after
     gain = next(r for r in rows if r["measurement"] == "TT adapters' forward, folded / unfolded products")
     assert ("evaluation speed-up", "batched / one example at a time") in settings
     for r in rows:
@@ -83,9 +85,9 @@ def test_draws_of_z_are_counted_as_a_step_makes_them(keep, queries, estimator, e
     w = torch.nn.Parameter(torch.randn(50))
     opt = ZOSGD([w], lr=1e-3, estimator=estimator)
     before = w.detach().clone()
-    assert bench.noise_draws_per_step(opt, lambda: (w**2).sum(), queries) == expected
+    assert methods.noise_draws_per_step(opt, lambda: (w**2).sum(), queries) == expected
     assert opt.state_step == 1 and not torch.equal(w, before)  # a real step ran
-    assert bench.spsa._each_draw.__name__ == "_each_draw"  # the counters are gone
+    assert spsa._each_draw.__name__ == "_each_draw"  # the counters are gone
 
 
 @pytest.mark.parametrize("dtype,weights", [("fp32", "real"), ("bf16", "random")])  # bf16: as the GPU script runs
@@ -93,10 +95,10 @@ def test_memory_phase_reports_a_peak_above_its_baseline(dtype, weights, fixture_
     monkeypatch.setenv("ADAZETA_DATA_DIR", str(fixture_data))
     args = argparse.Namespace(model="tiny-llama", dtype=dtype, device="cpu", batch_size=4, eval_examples=4,
                               memory_queries=2, memory_steps=1, phase="adazeta_batched:4", weights=weights)
-    result = bench.memory_phase(args)
+    result = memory.memory_phase(args)
     assert result["phase"] == "adazeta_batched:4"
     assert result["peak_mb"] >= result["baseline_mb"] > 0
-    result = bench.memory_phase(argparse.Namespace(**{**vars(args), "phase": "method:mezo"}))
+    result = memory.memory_phase(argparse.Namespace(**{**vars(args), "phase": "method:mezo"}))
     assert result["peak_mb"] >= result["baseline_mb"] > 0
 
 
@@ -108,7 +110,7 @@ def test_bench_runs_without_model_or_data_files(tmp_path, monkeypatch):
             "--queries", "1", "--chunks", "2", "--eval-examples", "4", "--eval-batch-size", "4", "--skip-memory",
             "--methods", "adazeta", "mezo", "--scaling-sizes", "2", "--out", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", argv)
-    bench.main()
+    cli.main()
     with open(tmp_path / "tiny-llama-random-cpu-fp32.csv") as f:
         rows = list(csv.DictReader(f))
     assert {r["setting"].split(" ")[0] for r in rows if r["section"] == "methods"} == {"adazeta", "mezo"}
@@ -119,14 +121,14 @@ def test_bench_options_compose_to_the_settings_of_a_run():
     """The options are adazeta-run overrides; llama-1b-random is SmolLM2's config with a ~1.1 B architecture."""
     args = argparse.Namespace(model="llama-1b-random", weights="real", dtype="bf16", device="cpu", batch_size=16,
                               eval_examples=64)
-    s = bench.settings_for(args)
+    s = common.settings_for(args)
     assert s.model.random_init and s.model.name == "llama-1b-random" and s.model.dtype == "bf16"
-    assert {k: s.model.architecture[k] for k in bench.LLAMA_1B} == bench.LLAMA_1B
+    assert {k: s.model.architecture[k] for k in common.LLAMA_1B} == common.LLAMA_1B
     assert s.adapter.config.shape_down is None  # TT shapes derived for hidden 2048, not SmolLM2's 576
-    assert s.optimizer.config.noise == bench.NOISE and s.data.num_dev == 64
-    batched = bench.settings_for(args, extra=bench.zo_variant(True, "auto")).optimizer.config
+    assert s.optimizer.config.noise == common.NOISE and s.data.num_dev == 64
+    batched = common.settings_for(args, extra=common.zo_variant(True, "auto")).optimizer.config
     assert batched.batched_queries and batched.query_chunk == "auto"
-    assert bench.settings_for(args, "tt_adapter").optimizer.kind == "adamw"
+    assert common.settings_for(args, "tt_adapter").optimizer.kind == "adamw"
 
 
 def test_reference_forward_is_the_reference_loss():
@@ -139,12 +141,12 @@ def test_reference_forward_is_the_reference_loss():
     loaded = load_model(ModelConfig(name="t", random_init=True, architecture=dict(
         model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2), device="cpu"), 1)
-    items = bench.synthetic_items("sst2", 5, 0, len(loaded.tokenizer)) + bench.synthetic_items("rte", 3, 1, 200)
+    items = common.synthetic_items("sst2", 5, 0, len(loaded.tokenizer)) + common.synthetic_items("rte", 3, 1, 200)
     for ex in items:
         ex.candidates = [[7, 9], [11]]  # multi-token candidates: the option-length mask matters
     with torch.no_grad():
         ours = batch_loss(loaded.model, collate(items, "causal", loaded.tokenizer.pad_token_id), "causal")
-        reference = bench.reference_zo_forward(loaded.model, items, loaded.tokenizer.pad_token_id,
+        reference = forwards.reference_zo_forward(loaded.model, items, loaded.tokenizer.pad_token_id,
                                                torch.device("cpu"))
     torch.testing.assert_close(reference, ours, atol=1e-5, rtol=1e-5)
 
@@ -152,13 +154,13 @@ def test_reference_forward_is_the_reference_loss():
 def gpu_script_runs(out: str) -> list[tuple[int, str, list[str]]]:
     """``(limit_s, name, bench arguments)`` of each ``run`` line of scripts/bench_gpu.sh, with its variables."""
     text = (Path(__file__).parents[1] / "scripts" / "bench_gpu.sh").read_text().replace("\\\n", " ")
-    common = next(shlex.split(line.split("(", 1)[1].rsplit(")", 1)[0])
+    common_args = next(shlex.split(line.split("(", 1)[1].rsplit(")", 1)[0])
                   for line in text.splitlines() if line.startswith("COMMON=("))
     runs = []
     for line in text.splitlines():
         if line.startswith("run "):
             _, limit, name, *rest = shlex.split(line)
-            args = [a for r in rest for a in (common if r == "${COMMON[@]}" else [r])]
+            args = [a for r in rest for a in (common_args if r == "${COMMON[@]}" else [r])]
             runs.append((int(limit), name, [out if a == "$OUT" else a for a in args]))
     return runs
 
@@ -170,20 +172,20 @@ def test_the_gpu_script_asks_for_what_the_bench_knows(monkeypatch, tmp_path):
     runs = gpu_script_runs(str(tmp_path))
     assert [name for _, name, _ in runs] == ["smollm2", "smollm2-flat", "llama-1b"]
     assert sum(limit for limit, _, _ in runs) <= 360  # the script promises at most 6 minutes
-    parser = bench.build_parser()
+    parser = cli.build_parser()
     for _, name, argv in runs:
         args = parser.parse_args(argv)
-        assert (args.device, args.dtype, args.out) == ("cuda", "bf16", tmp_path) and bench.random_weights(args)
-        monkeypatch.setattr(bench, "NOISE", args.noise)
+        assert (args.device, args.dtype, args.out) == ("cuda", "bf16", tmp_path) and common.random_weights(args)
+        monkeypatch.setattr(common, "NOISE", args.noise)
         for method in args.methods:
-            s = bench.settings_for(args, method)
+            s = common.settings_for(args, method)
             assert s.model.random_init and s.model.device == "cuda" and s.optimizer.config.noise == args.noise
-        assert bench.settings_for(args, "tt_adapter").optimizer.kind == "adamw"  # the first-order row
+        assert common.settings_for(args, "tt_adapter").optimizer.kind == "adamw"  # the first-order row
         for chunk in args.chunks:
-            assert bench.settings_for(args, extra=bench.zo_variant(True, chunk)).optimizer.config.query_chunk == chunk
+            assert common.settings_for(args, extra=common.zo_variant(True, chunk)).optimizer.config.query_chunk == chunk
         if args.model == "llama-1b-random":
-            record = dry_run(bench.settings_for(args))
-            assert 1.0e9 < record["total_params"] < 1.25e9 and record["adapters"] == 3 * bench.LLAMA_1B[
+            record = dry_run(common.settings_for(args))
+            assert 1.0e9 < record["total_params"] < 1.25e9 and record["adapters"] == 3 * common.LLAMA_1B[
                 "num_hidden_layers"]
 
 
@@ -197,11 +199,11 @@ def test_bench_runs_in_bf16_as_the_gpu_script_does(tmp_path, monkeypatch):
             "--scaling-sizes", "2", "--overhead-pairs", "1", "--overhead-long-pairs", "0", "--skip-memory",
             "--out", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", argv)
-    bench.main()
+    cli.main()
     with open(tmp_path / "tiny-llama-random-cpu-bf16.csv") as f:
         rows = list(csv.DictReader(f))
     steps = {r["setting"].split(" ")[0]: float(r["median"]) for r in rows
              if r["measurement"] == "ZO step / 2Q forwards"}
-    assert set(steps) == set(bench.ZO_METHODS) and all(math.isfinite(v) and v > 0 for v in steps.values())
+    assert set(steps) == set(common.ZO_METHODS) and all(math.isfinite(v) and v > 0 for v in steps.values())
     assert ("evaluation speed-up", "batched / one example at a time") in {(r["measurement"], r["setting"]) for r in rows}
     assert '"dtype": "bf16"' in (tmp_path / "tiny-llama-random-cpu-bf16.json").read_text()

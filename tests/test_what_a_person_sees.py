@@ -221,7 +221,7 @@ def _memory_csv(path, methods):
 
 
 def _make_figures(monkeypatch, *args: str) -> None:
-    from adazeta import make_figures
+    from adazeta.tools import make_figures
 
     monkeypatch.setattr(sys, "argv", ["make_figures", *args])
     make_figures.main()
@@ -306,7 +306,7 @@ def test_each_method_keeps_one_colour_of_its_own_in_every_chart():
 
 
 def test_a_diverged_run_does_not_set_the_loss_scale(monkeypatch, tmp_path):
-    from adazeta import cpu_zo_report
+    from adazeta.tools import cpu_zo_report
     from adazeta.plots import convergence_figure
 
     fig = convergence_figure([_run("mezo_lora", [1.0, 0.8, 0.7]), _run("mezo", [1.0, 0.9, 0.8]),

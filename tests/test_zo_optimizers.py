@@ -366,7 +366,7 @@ def test_an_optimizer_without_a_parallel_mode_is_refused_on_several_processes(ki
 def test_memory_benchmark_has_a_row_per_optimizer_with_its_forwards(data_dir):
     import argparse
 
-    from adazeta import bench_memory
+    from adazeta.tools import bench_memory
 
     assert {f"adazeta+{k}" for k in KINDS} <= set(bench_memory.METHODS)
     assert bench_memory.row_overrides("adazeta+zo_adam") == ["method=adazeta", "optimizer@method.optimizer=zo_adam"]

@@ -1,5 +1,7 @@
 """Load a causal or masked language model: a Hub id, a local folder, a GGUF file, or a tiny random config.
 
+Over 400 lines: every model source (Hub, folder, GGUF, random config) is resolved, checked and loaded here.
+
 Where the weights come from is decided by :func:`resolve_source` before anything heavy happens, so that a
 missing local file is reported in one line before a model loads. Offline runs never contact the Hub: when a
 local model directory is set, ``HF_HUB_OFFLINE`` is switched on for the process.

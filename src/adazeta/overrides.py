@@ -1,5 +1,7 @@
 """The command line checked before Hydra runs it: one line with the fix instead of Hydra's report.
 
+Over 400 lines: one check of the whole command line (flags, options, keys, values, output folder) before Hydra.
+
 Hydra reports a mistyped group option (``method=adazet``) or an unknown key (``train.foo=1``) in several lines and
 exits 1, prints its usage for a bad flag, and one bad value in a sweep list refuses the whole sweep. Here the
 flags are read with Hydra's own parser and every override is composed first, the way ``adazeta-run`` would

@@ -1,5 +1,7 @@
 """Candidate scoring: tokenise examples, pack them into batches, and score every candidate in one forward.
 
+Over 400 lines: encoding, packing and scoring are one contract: the scorer reads the layout the packer wrote.
+
 Causal LMs (the MeZO protocol): a candidate's score is the mean log-probability of its tokens given the
 prompt. The training loss is the cross-entropy over the candidates' scores. Masked LMs (LM-BFF): the score of a
 label word is its logit at the mask position; the loss is the cross-entropy over the label words.

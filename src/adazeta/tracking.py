@@ -1,5 +1,7 @@
 """Where a run's numbers go: CSV files (flushed every row, so a crash loses nothing), wandb, and the console.
 
+Over 400 lines: every place a run's numbers go (CSV, wandb, progress lines, predictions) and its monitors.
+
 Also the two run-health instruments: peak memory and divergence detection.
 """
 

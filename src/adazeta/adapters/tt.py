@@ -1,5 +1,7 @@
 """Tensor-train (TT) adapters, AdaZeta's trainable part (Yang et al., EMNLP 2024), and their injection into a backbone.
 
+Over 400 lines: the TT adapter's config, layers, folded factor groups and injection are one unit.
+
 An adapter is ``h -> h + up(act(down(h)))`` with bottleneck b, where ``down`` (H -> b) and ``up`` (b -> H) are
 TT matrices (``adazeta.tensor.tt``). It is placed on the input (``base(x + A(x))``) or on the output
 (``y + A(y)``) of chosen linear layers (``adazeta.adapters.sites`` says which). Everything else is frozen.

@@ -1,5 +1,7 @@
 """Pure pieces of the SPSA / MeZO (Malladi et al. 2023) zeroth-order estimator with Q queries.
 
+Over 400 lines: the estimator's pieces and noise streams must draw z in one order; that order has one home.
+
     g = (1/Q) * sum_q [L(w + eps z_q) - L(w - eps z_q)] / (2 eps) * z_q,     z_q ~ N(0, I)
     w <- w - lr * (g + weight_decay * w)
 

@@ -1,4 +1,7 @@
-"""ZO-SGD: MeZO's zeroth-order SGD (Malladi et al. 2023) with Q queries a step, a drop-in ``torch.optim.Optimizer``."""
+"""ZO-SGD: MeZO's zeroth-order SGD (Malladi et al. 2023) with Q queries a step, a drop-in ``torch.optim.Optimizer``.
+
+Over 400 lines: one optimizer class (sequential, batched and distributed steps, guard hooks) and its config.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Load task splits from the Hub (through ``datasets``) or from local files; sample them (MeZO, LM-BFF protocols).
 
+Over 400 lines: every source and protocol (Hub, JSONL / TSV / CSV, MeZO and LM-BFF) shares the row checks.
+
 Two protocols, picked by the model's family:
 
 - causal (MeZO): ``num_train`` + ``num_dev`` examples drawn (seeded) from the train split, ``num_eval`` from the

@@ -1,10 +1,10 @@
 """The cpu_zo experiment's report: lr grids, chosen settings, curves against forward passes, the claims' verdicts.
 
-    python -m adazeta.cpu_zo_report [--experiment cpu_zo] [--target 0.75]
+    python -m adazeta.tools.cpu_zo_report [--experiment cpu_zo] [--target 0.75]
 
 Reads results/runs/<experiment>/ and <experiment>_stress/ (result.json, eval.csv, metrics.csv of each run) and
 writes results/tables/<experiment>_report.md and results/figures/<experiment>.png, all under the current
-directory. Learning rates are the ones adazeta.experiment chose on dev at the selection seed; test numbers are
+directory. Learning rates are the ones adazeta.tools.experiment chose on dev at the selection seed; test numbers are
 read only for the chosen runs. Whatever has not run yet is reported as missing, so the report can be made at any
 point of the experiment.
 """
@@ -22,7 +22,7 @@ import yaml
 
 from adazeta import stats
 from adazeta.paths import config_dir
-from adazeta.experiment import UNDECIDED, Job, chosen_lr, grid
+from adazeta.tools.experiment import UNDECIDED, Job, chosen_lr, grid
 
 MISSING = "—"
 
@@ -84,8 +84,8 @@ def main() -> None:
 
     lines = [f"# {name}: SmolLM2-135M on SST-2, {budget} forward passes per ZO run", ""]
     lines += [
-        f"Made by `python -m adazeta.cpu_zo_report` from results/runs/{name}/ "
-        f"(`python -m adazeta.experiment {name}`).",
+        f"Made by `python -m adazeta.tools.cpu_zo_report` from results/runs/{name}/ "
+        f"(`python -m adazeta.tools.experiment {name}`).",
         f"Learning rates chosen on dev accuracy (200 dev examples; ties: dev loss) at seed {select_seed}; test = the",
         "872 SST-2 validation sentences, read only for the chosen lr. Forward passes count every loss evaluation of",
         "the ZO estimator (2Q a step); the first-order arm counts one per step (each also runs a backward pass).",

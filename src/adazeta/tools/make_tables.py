@@ -1,6 +1,6 @@
 """Build results/tables/<experiment>.{md,tex} from result files, with the paper's numbers beside ours.
 
-    python -m adazeta.make_tables [--results results/runs ...] [--paper results/paper_numbers.csv]
+    python -m adazeta.tools.make_tables [--results results/runs ...] [--paper results/paper_numbers.csv]
                                   [--out results/tables]
 
 Hyper-parameters are selected on dev only; test is reported as mean (std over seeds, ddof = 1), † counts

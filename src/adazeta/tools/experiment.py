@@ -1,6 +1,6 @@
 """Run an experiment made of arms: each arm's lr grid on dev, then seeds at the chosen lr, then a stress test.
 
-    python -m adazeta.experiment cpu_zo [--phase select|seeds|stress|all] [--jobs 2] [--threads 1] [--dry]
+    python -m adazeta.tools.experiment cpu_zo [--phase select|seeds|stress|all] [--jobs 2] [--threads 1] [--dry]
                                         [--arms tt_q1,mezo_lora] [extra adazeta-run overrides]
 
 The experiment config (conf/experiment/NAME.yaml) lists `arms` (overrides + lr grid) and `design` (selection
@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from adazeta.paths import config_dir
-from adazeta.offline import use_shared
+from adazeta.tools.offline import use_shared
 from adazeta.record import ENDED, main_score
 from adazeta.results import git_state
 

@@ -1,6 +1,6 @@
 """Run an experiment's full tuning grid: one Hydra multirun per method, over that method's own grid.
 
-    python -m adazeta.sweep table2_llama [--dry] [extra Hydra overrides, e.g. hydra/launcher=joblib]
+    python -m adazeta.tools.sweep table2_llama [--dry] [extra Hydra overrides, e.g. hydra/launcher=joblib]
 
 `adazeta-run -m experiment=NAME` sweeps method x task x seed at each method's reference hyper-parameters; the
 experiment's `tuning:` block gives per-method grids (learning rates differ by orders of magnitude between

@@ -1,6 +1,6 @@
 """Watch a ZO run from inside: what grows, at which step, and what the loss then measures.
 
-    python -m adazeta.diagnose_zo --out results/diagnostics/collapse_lr1e-2.csv -- \
+    python -m adazeta.tools.diagnose_zo --out results/diagnostics/collapse_lr1e-2.csv -- \
         method=adazeta schedule=constant method.optimizer.lr=1e-2
 
 Runs the training loop's ZO steps (same data order, same query seeds as ``adazeta-run`` with these overrides)
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from adazeta.offline import use_shared
+from adazeta.tools.offline import use_shared
 
 COLUMNS = ["step", "loss", "n_queries", "forward_passes", "param_norm", "update_norm", "dev_loss", "dev_accuracy",
            "tied_fraction", "final_norm_input_rms", "max_adapter_gain", "overflow_fraction"]

@@ -1,8 +1,8 @@
 """Gradient fidelity: the ZO estimate against autograd's gradient, on one real minibatch, as Q grows.
 
-    python -m adazeta.grad_fidelity                          # adazeta (both inits), mezo_lora, mezo on SmolLM2 SST-2
-    python -m adazeta.grad_fidelity --methods adazeta_identity --queries 1 4 16 --seeds 0 1
-    python -m adazeta.grad_fidelity --report-only            # rebuild the table and figure from the CSVs
+    python -m adazeta.tools.grad_fidelity                # adazeta (both inits), mezo_lora, mezo on SmolLM2 SST-2
+    python -m adazeta.tools.grad_fidelity --methods adazeta_identity --queries 1 4 16 --seeds 0 1
+    python -m adazeta.tools.grad_fidelity --report-only  # rebuild the table and figure from the CSVs
 
 For each method: the first minibatch a run with seed 0 trains on (batch 16), the autograd gradient g of its
 loss over the method's trainable set, and for several direction seeds the ZO estimate from Q = 1, 2, 4, ..., 64
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from adazeta.offline import use_shared
+from adazeta.tools.offline import use_shared
 
 OUT = Path("results", "grad_fidelity")
 FIGURE = Path("results", "figures", "grad_fidelity.png")
@@ -98,7 +98,7 @@ def report() -> None:
     lines = [
         "# Gradient fidelity: ZO estimate vs autograd on one SST-2 minibatch (SmolLM2-135M, batch 16, eps 1e-3)",
         "",
-        "Made by `python -m adazeta.grad_fidelity` (`make grad-fidelity`). Mean (std) over direction seeds; the",
+        "Made by `python -m adazeta.tools.grad_fidelity` (`make grad-fidelity`). Mean (std) over direction seeds; the",
         "estimate for Q is the mean of the first Q queries of each seed. `expected` is sqrt(Q / (Q + d + 1)), the",
         "cosine of Gaussian-direction SPSA with exact differences. `loss change` is L(w) - L(w - lr g_hat) on the",
         "same minibatch (positive = the step helped); `per forward` divides it by the 2Q forwards spent.",

@@ -1,8 +1,8 @@
 """Write figures: convergence per experiment and task, memory bars, and (optionally) one run.
 
-    python -m adazeta.make_figures [--results results/runs] [--out outputs/figures] [--x forward_passes|step]
-    python -m adazeta.make_figures --out results/figures          # refresh the committed figures
-    python -m adazeta.make_figures --run outputs/sst2/adazeta/.../   # the curves of a single run
+    python -m adazeta.tools.make_figures [--results results/runs] [--out outputs/figures] [--x forward_passes|step]
+    python -m adazeta.tools.make_figures --out results/figures          # refresh the committed figures
+    python -m adazeta.tools.make_figures --run outputs/sst2/adazeta/.../   # the curves of a single run
 
 They go to outputs/figures (not committed) unless --out says otherwise, and a figure is rewritten only when its
 picture changes: regenerating the committed results/figures from the same results leaves the checkout clean (a

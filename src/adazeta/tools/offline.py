@@ -1,7 +1,7 @@
 """``../shared`` (beside the current directory, as in a development checkout) as the offline model and data folders.
 
 ``make`` points $ADAZETA_MODEL_DIR and $ADAZETA_DATA_DIR at ``../shared/models`` and ``../shared/data`` when
-they exist; the benchmark and experiment modules do the same when run directly (``python -m adazeta.bench``).
+they exist; the benchmark and experiment modules do the same when run directly (``python -m adazeta.tools.bench``).
 A variable that is already set is left alone.
 """
 

@@ -1,8 +1,8 @@
 """Scaling benchmark: ZO queries per second on 1 and N processes, and the all-reduce's share of a step.
 
     make bench-dist                                       # SmolLM2-135M, AdaZeta, Q = 8, 1 and 2 processes
-    python -m adazeta.bench_dist --procs 1 2 --queries 8 --steps 3 method=mezo_lora
-    python -m adazeta.bench_dist --procs 1 2 model=tiny-llama task=rte data.dir=...   # any adazeta-run overrides
+    python -m adazeta.tools.bench_dist --procs 1 2 --queries 8 --steps 3 method=mezo_lora
+    python -m adazeta.tools.bench_dist --procs 1 2 model=tiny-llama task=rte data.dir=...   # any adazeta-run overrides
 
 Each process count is one ``torchrun --standalone --nproc_per_node N`` of this module (one thread per process
 unless ``--threads``), which builds the run as ``adazeta-run`` would (``adazeta.run.build``), takes one training
@@ -103,7 +103,7 @@ def worker(queries: int, steps: int, out: Path, overrides: list[str]) -> None:
 def launch(nproc: int, threads: int, queries: int, steps: int, out: Path, overrides: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONFAULTHANDLER": "1"}  # a rank's abort shows its stack
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "adazeta.bench_dist", "--worker", "--queries", str(queries), "--steps", str(steps),
+           "-m", "adazeta.tools.bench_dist", "--worker", "--queries", str(queries), "--steps", str(steps),
            "--out", str(out), *overrides]
     subprocess.run(cmd, env=env, check=True)
 

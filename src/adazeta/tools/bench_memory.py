@@ -1,7 +1,7 @@
 """Peak memory of one training step per method, on the same model and the same batch.
 
-    python -m adazeta.bench_memory                       # SmolLM2-135M, 16 SST-2 prompts, twenty rows
-    python -m adazeta.bench_memory --methods inference adazeta --steps 3 --set model.dtype=bf16
+    python -m adazeta.tools.bench_memory                       # SmolLM2-135M, 16 SST-2 prompts, twenty rows
+    python -m adazeta.tools.bench_memory --methods inference adazeta --steps 3 --set model.dtype=bf16
 
 Each method runs in a fresh subprocess, because a process's peak resident memory can only grow: a shared
 process would report the largest method for all. In each subprocess the model, adapter, optimizer and batch
@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from adazeta.offline import use_shared
+from adazeta.tools.offline import use_shared
 
 # The field's ZO optimizers on AdaZeta's TT adapters, a row each (``adazeta+<optimizer>``).
 OPTIMIZER_ROWS = [f"adazeta+{kind}" for kind in (
@@ -181,7 +181,7 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     env = use_shared(dict(os.environ))
     rows = []
     for method in args.methods:
-        cmd = [sys.executable, "-m", "adazeta.bench_memory", "--worker", method, *sys.argv[1:]]
+        cmd = [sys.executable, "-m", "adazeta.tools.bench_memory", "--worker", method, *sys.argv[1:]]
         print(f"measuring {method} ...", file=sys.stderr, flush=True)
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode != 0:

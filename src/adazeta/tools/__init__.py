@@ -1,0 +1,31 @@
+"""The tools: commands that run, measure and report on runs; no run imports them.
+
+Each runs from the repository root as ``python -m adazeta.tools.<name>`` (or through its ``make`` target); what it
+writes goes under the current directory (``results/...``), and ``../shared`` beside it holds the offline model and
+data where ``$ADAZETA_MODEL_DIR`` / ``$ADAZETA_DATA_DIR`` are unset (``offline``).
+
+Drivers (launch runs through ``adazeta-run``):
+    experiment         an experiment of arms: lr grids on dev, seeds at the dev-chosen lr, stress runs
+                       (make cpu-zo, cpu-zo-claims, cpu-zo-optimizers)
+    sweep              an experiment's per-method tuning grids, one Hydra multirun each
+
+Reports (read result files, write tables and figures):
+    make_tables        results/tables from results/runs, dev-selected, the paper's numbers beside (make tables)
+    make_figures       convergence curves, memory bars, one run's curves (make figures)
+    cpu_zo_report      the cpu_zo experiment's table, figures and verdicts (make cpu-zo-report)
+    claims_report      a pre-registered claims experiment's endpoints and verdicts (make cpu-zo-claims-report)
+    optimizers_report  the pre-registered ZO optimizer comparison's endpoints (make cpu-zo-optimizers-report)
+
+Benches and instruments (build runs as ``adazeta-run`` would, then measure):
+    bench              speed: forwards, ZO steps, every ZO method, scaling, evaluation, memory phases (make bench)
+    bench_memory       peak memory of one step per method, each in a fresh process (make bench-memory)
+    bench_dist         ZO queries per second on 1 and N processes, torchrun (make bench-dist)
+    grad_fidelity      the ZO estimate against the autograd gradient as Q grows, per method (make grad-fidelity)
+    diagnose_zo        a ZO run's steps watched from inside: norms, adapter gains, overflow
+
+Shared by them:
+    offline            ``../shared`` as the offline model and data folders when a tool runs directly
+
+The rule (tests/test_layout.py): the tools import the library (``adazeta.*``); nothing outside ``adazeta.tools``
+imports ``adazeta.tools``.
+"""

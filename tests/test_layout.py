@@ -1,0 +1,98 @@
+"""The layout's import rule (CONTRIBUTING.md, Layout): the library never imports a tool; tools import the library.
+
+Read from the source with ``ast`` (nothing is imported), so a run's dependencies cannot grow a bench or a report
+without this failing."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import adazeta
+import adazeta.tools
+
+PACKAGE = Path(adazeta.__file__).parent
+TOOLS = PACKAGE / "tools"
+# Commands that stay in the library: the run's entry point, and the export of a trained run (a user's command whose
+# exported README names it; not a bench, report or driver).
+LIBRARY_COMMANDS = {"cli", "export"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Every module ``source`` (the text of ``module``) imports, relative imports resolved, with each name taken
+    from a package as a module too (``from adazeta import tools`` -> ``adazeta.tools``); and the constant
+    targets of ``importlib.import_module`` / ``__import__`` calls."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                found.add(node.args[0].value)
+    return found
+
+
+def is_tools(name: str) -> bool:
+    return name == "adazeta.tools" or name.startswith("adazeta.tools.")
+
+
+def library_modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if TOOLS not in p.parents)
+
+
+def test_the_library_never_imports_a_tool():
+    assert len(library_modules()) > 30  # the whole library is read, not an empty folder
+    offenders = {}
+    for path in library_modules():
+        names = imported_modules(path.read_text(), module_name(path), path.name == "__init__.py")
+        if bad := sorted(n for n in names if is_tools(n)):
+            offenders[str(path.relative_to(PACKAGE))] = bad
+    assert not offenders, f"library modules importing adazeta.tools (the library never imports a tool): {offenders}"
+
+
+@pytest.mark.parametrize("source,module,imports_tools", [
+    ("from adazeta.tools import bench", "adazeta.run", True),
+    ("import adazeta.tools.experiment as driver", "adazeta.run", True),
+    ("from adazeta import tools", "adazeta.results", True),
+    ("from .tools.bench import common", "adazeta.run", True),
+    ("from . import tools", "adazeta", True),
+    ("def f():\n    from adazeta.tools.make_tables import main", "adazeta.train", True),
+    ("importlib.import_module('adazeta.tools.sweep')", "adazeta.run", True),
+    ("from adazeta import stats, tables", "adazeta.run", False),
+    ("from .optim import spsa", "adazeta.run", False),
+    ("from adazeta.toolsmith import x", "adazeta.run", False),
+])
+def test_the_import_reader_sees_every_form_of_import(source, module, imports_tools):
+    """The rule's reader: a top-level, function-local, relative or importlib import of a tool is seen."""
+    assert any(is_tools(n) for n in imported_modules(source, module, module == "adazeta")) == imports_tools
+
+
+def test_every_tool_is_listed_and_no_command_is_left_in_the_library():
+    """adazeta.tools' docstring lists each tool; a command (``__main__`` guard) outside tools/ is one of the two the
+    library keeps, so a new bench, report or driver lands in tools/."""
+    tools = {p.stem for p in TOOLS.glob("*.py") if p.stem != "__init__"} | {
+        p.name for p in TOOLS.iterdir() if (p / "__init__.py").is_file()}
+    assert {"bench", "experiment", "make_tables", "claims_report"} <= tools
+    listed = set(re.findall(r"^    (\w+) ", adazeta.tools.__doc__, re.MULTILINE))
+    assert tools == listed, f"tools/ holds {sorted(tools - listed)} not listed, lists {sorted(listed - tools)} absent"
+    commands = {p.stem for p in PACKAGE.glob("*.py") if re.search(r"^if __name__ == .__main__.:", p.read_text(), re.M)}
+    assert commands == LIBRARY_COMMANDS, f"commands at the package root: {sorted(commands)} (tools go in tools/)"
