@@ -17,7 +17,7 @@ import torch
 
 from adazeta import distributed
 from adazeta.distributed import Spread
-from adazeta.run import build, compose_settings, seed_everything
+from adazeta.build import build, compose_settings, seed_everything
 from adazeta.tasks.objectives import build_objective
 from adazeta.tracking import DivergenceMonitor, SilentTracker
 from adazeta.train import Loop, Splits, train, trainable_state

@@ -13,7 +13,8 @@ from adazeta.adapters import ADAPTERS
 from adazeta.dryrun import dry_run
 from adazeta.errors import ConfigError
 from adazeta.models import ModelConfig, architecture_summary, build_meta_model, complete_config, infer_family
-from adazeta.run import parse, preflight
+from adazeta.build import preflight
+from adazeta.settings import parse
 from helpers import compose_cfg
 
 SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=300)

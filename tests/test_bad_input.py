@@ -185,9 +185,9 @@ def test_a_bad_row_anywhere_fails_before_the_model_loads_whatever_the_seed(fault
     """The bad row is the file's last: no seed's 32 sampled examples need contain it; it is found anyway."""
     breaks, message = DATA_FAULTS[fault]
     line = breaks(fixture_data)
-    import adazeta.run as run_module
+    import adazeta.build as build_module
 
-    monkeypatch.setattr(run_module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(build_module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     code, err = run_cli(monkeypatch, capsys, [*tiny_overrides(fixture_data), f"seed={seed}",
                                               f"hydra.run.dir={tmp_path / 'run'}"])
     lines = [x for x in err.splitlines() if x.strip()]
@@ -203,7 +203,7 @@ def test_an_empty_evaluation_file_is_refused(content, message, fixture_data, tmp
     (fixture_data / "superglue" / "RTE" / "val.jsonl").write_bytes(content)
     args = [*tiny_overrides(fixture_data), "dry_run=false", f"hydra.run.dir={tmp_path / 'run'}"]
     if message is None:
-        from adazeta.run import compose_settings, preflight
+        from adazeta.build import compose_settings, preflight
 
         preflight(compose_settings(args[:-1]))
         return

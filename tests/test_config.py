@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from adazeta.errors import ConfigError
-from adazeta.run import parse
+from adazeta.settings import parse
 from helpers import CONF, compose_cfg
 
 GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in ("model", "task", "method", "schedule")}

@@ -17,7 +17,8 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from adazeta.errors import ConfigError
 from adazeta.models import byte_tokenizer
-from adazeta.run import parse, run
+from adazeta.run import run
+from adazeta.settings import parse
 from adazeta.scoring import candidate_scores, collate, encode
 from adazeta.tasks.loaders import load_rows
 from adazeta.tasks.spec import Example, render

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from adazeta.run import parse
+from adazeta.settings import parse
 from adazeta.errors import ConfigError
 from adazeta.tables import build_table, load_paper_numbers, load_results, select_on_dev, to_latex, to_markdown
 from helpers import CONF, ROOT, compose_cfg

@@ -10,7 +10,9 @@ from transformers import AutoModelForCausalLM
 import adazeta
 from adazeta.errors import ConfigError
 from adazeta.export import export
-from adazeta.run import build, parse, run
+from adazeta.build import build
+from adazeta.run import run
+from adazeta.settings import parse
 from helpers import compose_cfg, tiny_overrides
 
 IDS = torch.tensor([[1, 5, 9, 13, 2, 7]])

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+import adazeta.build as build_module
 import adazeta.run as run_module
 from adazeta import cli
 from adazeta.errors import ConfigError
@@ -104,7 +105,7 @@ def run_cli(monkeypatch, capsys, args: list[str]) -> tuple[int, str, str]:
 
 @pytest.fixture
 def no_model(monkeypatch):
-    monkeypatch.setattr(run_module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(build_module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
 
 
 @pytest.mark.parametrize("before,after,message", CASES, ids=[" ".join(b + a)[:60] for b, a, _ in CASES])

@@ -13,7 +13,8 @@ from adazeta.dryrun import memory_estimate
 from adazeta.errors import ConfigError
 from adazeta.evaluate import evaluate
 from adazeta.models import enable_gradient_checkpointing_, load_model
-from adazeta.run import build, parse, preflight, seed_everything
+from adazeta.build import build, preflight, seed_everything
+from adazeta.settings import parse
 from adazeta.train import first_order_step
 from helpers import compose_cfg, tiny_overrides, write_fixture_data
 

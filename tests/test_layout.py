@@ -96,3 +96,19 @@ def test_every_tool_is_listed_and_no_command_is_left_in_the_library():
     assert tools == listed, f"tools/ holds {sorted(tools - listed)} not listed, lists {sorted(listed - tools)} absent"
     commands = {p.stem for p in PACKAGE.glob("*.py") if re.search(r"^if __name__ == .__main__.:", p.read_text(), re.M)}
     assert commands == LIBRARY_COMMANDS, f"commands at the package root: {sorted(commands)} (tools go in tools/)"
+
+
+def test_a_module_over_400_lines_says_why():
+    """CONTRIBUTING's rule: a long module states its reason at the top of its docstring (``Over 400 lines: ...``)."""
+    import ast as _ast
+    from pathlib import Path as _Path
+
+    src = _Path(__file__).resolve().parents[1] / "src" / "adazeta"
+    silent = []
+    for path in sorted(src.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 420:
+            doc = _ast.get_docstring(_ast.parse(text)) or ""
+            if "Over 400 lines:" not in "\n".join(doc.splitlines()[:4]):
+                silent.append(str(path.relative_to(src)))
+    assert not silent, f"modules over ~400 lines without a reason at the top of their docstring: {silent}"

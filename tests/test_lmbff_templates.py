@@ -28,7 +28,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 from tokenizers.processors import RobertaProcessing
 
 from adazeta.models import TINY_WORDS, byte_tokenizer
-from adazeta.run import parse
+from adazeta.settings import parse
 from adazeta.scoring import encode
 from adazeta.tasks.loaders import load_rows
 from adazeta.tasks.spec import TaskSpec, render

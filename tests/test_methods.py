@@ -33,7 +33,9 @@ from adazeta.optim.batched import replica_weights
 from adazeta.optim.spsa import PackedMask, RandomMask, directions, perturb_
 from adazeta.optim.zo_sgd import ZOSGD
 from adazeta.probe import ProbeConfig, fit_probe, prompt_features
-from adazeta.run import parse, run, seed_everything
+from adazeta.build import seed_everything
+from adazeta.run import run
+from adazeta.settings import parse
 from adazeta.scoring import Scorer, batch_loss, collate, encode
 from adazeta.tasks.loaders import load_task
 from adazeta.tasks.spec import Example

@@ -8,7 +8,8 @@ import csv
 import pytest
 import torch
 
-from adazeta.run import parse, run
+from adazeta.run import run
+from adazeta.settings import parse
 from adazeta.tracking import DivergenceConfig, DivergenceMonitor
 from helpers import compose_cfg, tiny_overrides
 
@@ -178,7 +179,7 @@ def test_icl_per_example_demonstrations_are_mezos_draws():
 
 
 def test_an_icl_run_gives_every_test_prompt_its_own_demonstrations(fixture_data, tmp_path):
-    from adazeta.run import build
+    from adazeta.build import build
 
     s = settings(*tiny_overrides(fixture_data, "method=icl", "method.demonstrations.k=2",
                                  "method.demonstrations.protocol=per_example", "model.max_length=2048"))

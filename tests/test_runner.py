@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from adazeta.run import execute, parse, run
+from adazeta.run import execute, run
+from adazeta.settings import parse
 from adazeta.tracking import EVAL_COLUMNS, STEP_COLUMNS
 from helpers import compose_cfg, tiny_overrides, write_fixture_data
 

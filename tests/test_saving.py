@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from adazeta.errors import ConfigError
-from adazeta.run import build, parse, run
+from adazeta.build import build
+from adazeta.run import run
+from adazeta.settings import parse
 from adazeta.saving import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapters
 from helpers import ROOT, compose_cfg, tiny_overrides
 

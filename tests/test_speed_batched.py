@@ -16,7 +16,9 @@ from adazeta.errors import ConfigError
 from adazeta.models import ModelConfig, load_model
 from adazeta.optim.batched import ReplicaClosure, replica_sites, replicas_installed, replica_weights
 from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
-from adazeta.run import parse, preflight, run
+from adazeta.build import preflight
+from adazeta.run import run
+from adazeta.settings import parse
 from adazeta.scoring import batch_loss, collate, encode, replica_losses
 from adazeta.tasks.spec import Example
 from helpers import compose_cfg, tiny_overrides

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from adazeta.errors import ConfigError
-from adazeta.run import parse
+from adazeta.settings import parse
 from adazeta.tasks.loaders import DataConfig, load_rows, load_task
 from adazeta.tasks.spec import render
 from helpers import SHARED_DATA, compose_cfg, needs_shared_data

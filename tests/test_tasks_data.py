@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from adazeta.errors import ConfigError
-from adazeta.run import parse
+from adazeta.settings import parse
 from adazeta.tasks.loaders import (
     DataConfig, KSHOT_SEEDS, check_data, kshot_indices, load_rows, load_task, local_files, split_sizes,
 )

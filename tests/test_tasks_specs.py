@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from adazeta.errors import ConfigError
-from adazeta.run import parse
+from adazeta.settings import parse
 from adazeta.tasks.spec import TaskSpec, render
 from helpers import CONF, compose_cfg
 

@@ -179,7 +179,8 @@ def test_budget_steps_is_a_fixed_point_of_the_schedule(budget):
 
 def test_a_run_with_a_budget_derives_the_reference_schedule_from_it(tmp_path):
     from helpers import compose_cfg, tiny_overrides, write_fixture_data
-    from adazeta.run import parse, run_length
+    from adazeta.build import run_length
+    from adazeta.settings import parse
 
     data = write_fixture_data(tmp_path)
     s = parse(compose_cfg(tiny_overrides(data, "method=adazeta", "schedule=adaptive_official",

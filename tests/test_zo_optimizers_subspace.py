@@ -324,7 +324,7 @@ def test_what_the_optimizers_cannot_do_is_refused_in_one_line(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_yaml_option_lists_the_dataclass_defaults(kind):
-    from adazeta.run import parse
+    from adazeta.settings import parse
     from helpers import compose_cfg
 
     s = parse(compose_cfg([f"optimizer@method.optimizer={kind}"]))

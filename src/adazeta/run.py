@@ -1,5 +1,7 @@
 """A run's lifecycle: claim its directory, skip or resume what it holds, build it (``adazeta.build``), train,
 checkpoint, test and record it (STYLE §1).
+Over 400 lines: every path a run can end on (skipped, resumed, refused, interrupted, failed on another rank,
+recorded) in one place, so that each writes result.json the same way.
 
 config -> settings -> preflight -> build (model + adapter, data, scorer, optimizer, schedule) -> loop ->
 evaluation -> tracked results. Everything is parsed into typed, validated dataclasses first, and local files are
@@ -35,10 +37,8 @@ from adazeta.saving import model_card, save_adapters
 from adazeta.optim.batched import replica_sites
 from adazeta.schedules import mean_queries
 from adazeta.scoring import packing_supported
-from adazeta.build import (  # noqa: F401  (Built, build_optimizer, compose_settings, run_length: re-exported)
-    Built, build, build_optimizer, compose_settings, preflight, run_length, seed_everything,
-)
-from adazeta.settings import Settings, parse  # noqa: F401  (parse: re-exported)
+from adazeta.build import build, preflight, seed_everything
+from adazeta.settings import Settings, parse
 from adazeta.tasks.loaders import TaskData
 from adazeta.tracking import (
     DivergenceMonitor,

@@ -132,7 +132,7 @@ class AdaptiveOfficialConfig:
     """The reference code's schedule: beta derived so that alpha * E^beta = q_target at the last epoch E."""
 
     # Its builder reads the run's length E (num_epochs): under a forward-pass budget the run derives E from the
-    # steps the budget reaches (adazeta.run.schedule_epochs). A schedule of the epoch index alone leaves it False.
+    # steps the budget reaches (adazeta.build.run_length). A schedule of the epoch index alone leaves it False.
     uses_run_epochs: ClassVar[bool] = True
     alpha: float = 0.85  # scale, as in AdaptiveConfig
     q_target: float = 20  # Q the uncapped curve reaches at the last epoch; sets beta

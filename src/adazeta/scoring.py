@@ -557,7 +557,7 @@ def replica_losses(
 class Scorer:
     """How a run scores examples: its model and what collating and scoring need besides it.
 
-    Built once from the loaded model (``Scorer.of``, or ``adazeta.run.Built.scorer``); the training loop, evaluation,
+    Built once from the loaded model (``Scorer.of``, or ``adazeta.build.Built.scorer``); the training loop, evaluation,
     first-order steps and the tools take it instead of the model, family, pad / mask ids, device and objective.
     """
 

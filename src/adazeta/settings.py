@@ -1,7 +1,7 @@
 """A run's settings: the composed Hydra config parsed into typed, validated dataclasses.
 
 ``parse`` turns the config into :class:`Settings` and raises a one-line ConfigError on any bad value, before
-anything is loaded (``adazeta.run.compose_settings`` does the same from ``adazeta-run`` overrides, for the tools).
+anything is loaded (``adazeta.build.compose_settings`` does the same from ``adazeta-run`` overrides, for the tools).
 """
 
 from __future__ import annotations

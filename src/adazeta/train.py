@@ -1,4 +1,6 @@
 """The training loop: minibatches over epochs, a ZO or first-order step, dev evaluation, best-dev checkpoint.
+Over 400 lines: the loop's named pieces (data order, evaluation schedule, one step, checkpoints, observers) sit
+beside the short ``train()`` that reads them, in the order they run.
 
 Read top to bottom. Everything it needs arrives as typed arguments; it never sees the Hydra config.
 """
@@ -130,7 +132,7 @@ class Checkpoints:
 
 @dataclass(frozen=True)
 class RunLength:
-    """How long a run is, decided once (``adazeta.run.run_length``) and handed to the query schedule, the
+    """How long a run is, decided once (``adazeta.build.run_length``) and handed to the query schedule, the
     record's mean-Q estimate and the training loop."""
 
     steps_per_epoch: int  # minibatches per pass over the train split (the last one may be short)
@@ -162,7 +164,7 @@ class Splits:
 class Loop:
     """What steers the training loop besides its config and what it reports to.
 
-    ``schedule``: Q per epoch (ZO methods); ``length``: the run's length as ``adazeta.run.run_length`` decided it
+    ``schedule``: Q per epoch (ZO methods); ``length``: the run's length as ``adazeta.build.run_length`` decided it
     (default: from the config and the data); ``checkpoints``: save the loop's state every
     ``train.checkpoint_every`` steps and when ``stop()`` says so (then the run ends ``interrupted``, untested), and
     continue from ``checkpoints.resume``: every number logged after a resume is the one the uninterrupted run logs;

@@ -5,7 +5,7 @@
     python -m adazeta.tools.bench_dist --procs 1 2 model=tiny-llama task=rte data.dir=...   # any adazeta-run overrides
 
 Each process count is one ``torchrun --standalone --nproc_per_node N`` of this module (one thread per process
-unless ``--threads``), which builds the run as ``adazeta-run`` would (``adazeta.run.build``), takes one training
+unless ``--threads``), which builds the run as ``adazeta-run`` would (``adazeta.build.build``), takes one training
 minibatch, and times ``--steps`` ZO steps at ``--queries`` queries after one warm-up step. Reported per process
 count: step time (median), queries per second, the speed-up over one process, and two communication figures:
 ``allreduce_s``, the time a step spends in its all-reduce *including the wait for the slowest rank* (load
@@ -37,7 +37,7 @@ def worker(queries: int, steps: int, out: Path, overrides: list[str]) -> None:
     from adazeta import distributed
     from adazeta.optim import zeroth_order, zo_sgd
     from adazeta.optim.batched import ReplicaClosure
-    from adazeta.run import build, compose_settings, seed_everything
+    from adazeta.build import build, compose_settings, seed_everything
 
     s = compose_settings(overrides)
     d = distributed.init(s.distributed)

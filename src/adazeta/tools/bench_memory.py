@@ -5,7 +5,7 @@
 
 Each method runs in a fresh subprocess, because a process's peak resident memory can only grow: a shared
 process would report the largest method for all. In each subprocess the model, adapter, optimizer and batch
-are built first, as a run wires them (``adazeta.run.build``); then the memory high-water mark is reset and
+are built first, as a run wires them (``adazeta.build.build``); then the memory high-water mark is reset and
 ``--steps`` steps run (a forward for ``inference``, a ZO-SGD step for ZO methods, an AdamW step for first-order
 ones). A row named ``<method>_gc`` (``lora_gc``, ``tt_adapter_gc``) is that first-order method with
 ``train.gradient_checkpointing=true``: backprop that recomputes each layer's activations instead of keeping them,
@@ -96,7 +96,7 @@ def row_overrides(row: str) -> list[str]:
 
 
 def worker(method: str, args: argparse.Namespace) -> dict:
-    """Build one row's model, optimizer and batch (``adazeta.run.build``); measure ``args.steps`` steps. Runs in
+    """Build one row's model, optimizer and batch (``adazeta.build.build``); measure ``args.steps`` steps. Runs in
     its own process."""
     import functools
 
@@ -104,7 +104,7 @@ def worker(method: str, args: argparse.Namespace) -> dict:
 
     from adazeta.optim import zeroth_order
     from adazeta.optim.batched import ReplicaClosure
-    from adazeta.run import build, compose_settings, preflight, seed_everything
+    from adazeta.build import build, compose_settings, preflight, seed_everything
     from adazeta.train import first_order_step
 
     overrides = [

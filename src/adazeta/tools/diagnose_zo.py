@@ -73,7 +73,7 @@ def main() -> None:
     use_shared()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
 
-    from adazeta.run import build, compose_settings, seed_everything
+    from adazeta.build import build, compose_settings, seed_everything
     from adazeta.evaluate import evaluate
     from adazeta.optim.batched import ReplicaClosure
     from adazeta.train import steps_per_epoch

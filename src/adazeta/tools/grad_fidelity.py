@@ -42,7 +42,7 @@ COLUMNS = ["method", "trainable", "lr", "seed", "queries", "cosine", "expected_c
 
 def measure(method: str, queries: list[int], seeds: list[int], lr: float | None, extra: list[str]) -> Path:
     from adazeta.fidelity import autograd_gradient, expected_cosine, zo_fidelity
-    from adazeta.run import build, compose_settings, seed_everything
+    from adazeta.build import build, compose_settings, seed_everything
 
     overrides, default_lr = METHODS[method]
     s = compose_settings(["task=sst2", "model=smollm2-135m", "data.num_dev=8", "data.num_eval=8",

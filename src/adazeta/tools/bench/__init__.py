@@ -22,7 +22,7 @@ after ``--warmup`` rounds, with min and max; each round runs every compared vari
 machine weighs on all alike), and ratios are taken round by round. CUDA work is synchronised before every clock
 read; memory is the CUDA peak allocated on a GPU, the resident-set high-water mark of the phase on a CPU.
 
-Every model and optimizer is wired by ``adazeta.run.build`` from the settings the options compose to (``--model``,
+Every model and optimizer is wired by ``adazeta.build.build`` from the settings the options compose to (``--model``,
 ``--weights``, ``--dtype``, ``--device``, the method; AdaZeta's sequential and batched optimizers as overrides, the
 first-order step as method ``tt_adapter``'s AdamW). Random weights are the one piece made here: a seeded random
 model of the architecture with SmolLM2's full vocabulary, and synthetic prompts, given to ``build`` in place of a

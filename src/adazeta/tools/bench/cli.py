@@ -15,7 +15,7 @@ import torch
 
 from adazeta.optim.spsa import NOISE_STREAMS
 from adazeta.results import cpu_name, git_state, package_versions
-from adazeta.run import seed_everything
+from adazeta.build import seed_everything
 from adazeta.scoring import collate
 from adazeta.tools import bench as package
 from adazeta.tools.bench import common

@@ -1,5 +1,5 @@
 """What the bench's sections share: the options as ``adazeta-run`` settings, the runner's wiring of a method's model
-and optimizer on the benchmark batch (``adazeta.run.build``), random weights and synthetic prompts, and the timing
+and optimizer on the benchmark batch (``adazeta.build.build``), random weights and synthetic prompts, and the timing
 rounds and the report every measurement lands in.
 
 ``NOISE`` and ``QUERY_MEMORY`` are set from ``--noise`` and ``--query-memory`` by ``cli.main``: read them as
@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from adazeta.models import LoadedModel, ModelSource, architecture_config, load_model, resolve_device
-from adazeta.run import Built, build, build_optimizer, compose_settings, seed_everything
+from adazeta.build import Built, build, build_optimizer, compose_settings, seed_everything
 from adazeta.scoring import Encoded, batch_loss, encode
 from adazeta.settings import Settings
 from adazeta.tasks.loaders import TaskData, load_task
@@ -58,12 +58,12 @@ def chunk_arg(value: str) -> int | str:
     return chunk
 
 
-# --- setup: the runner's wiring (adazeta.run.build) ----------------------------------------------------------
+# --- setup: the runner's wiring (adazeta.build.build) ----------------------------------------------------------
 
 
 @dataclasses.dataclass
 class Setup:
-    built: Built  # adazeta.run.build's pieces: the model with the method's adapter, its optimizer, the task data
+    built: Built  # adazeta.build.build's pieces: the model with the method's adapter, its optimizer, the task data
     settings: Settings  # the method (AdaZeta unless asked otherwise) on SST-2, as the benchmark's options compose it
     items: list[Encoded]  # the benchmark batch
     dev_items: list[Encoded]  # evaluation examples
@@ -166,7 +166,7 @@ def bench_items(args: argparse.Namespace, s: Settings, tok: Any, task: str, n: i
 
 def setup_for(args: argparse.Namespace, method: str = "adazeta", extra: Sequence[str] = (),
               plain: LoadedModel | None = None) -> Setup:
-    """``method``'s model, optimizer and the benchmark batch, wired by ``adazeta.run.build`` from the settings the
+    """``method``'s model, optimizer and the benchmark batch, wired by ``adazeta.build.build`` from the settings the
     options compose to (``extra``: more overrides). ``plain``: a backbone already made, which the model copies (the
     methods compared on one batch share one load); else the backbone is loaded, or randomly initialised, here.
     Random weights come with synthetic prompts of SST-2's lengths, so that no data file is read."""
