@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
 from torch import nn
 
 import adazeta.adapters  # noqa: F401  (registers the built-in adapters)
@@ -49,10 +50,15 @@ from adazeta.train import RunLength, steps_per_epoch
 log = logging.getLogger("adazeta")
 
 
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The config ``adazeta-run <overrides>`` would compose (for a tool that runs a real run: ``adazeta.run.run``)."""
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
 def compose_settings(overrides: list[str]) -> Settings:
     """The settings ``adazeta-run <overrides>`` would run, for the tools that use the runner's wiring."""
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return parse(compose(config_name="config", overrides=overrides))
+    return parse(compose_config(overrides))
 
 
 def train_use(s: Settings) -> str | None:

@@ -267,9 +267,13 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
 
 
 class Observer:
-    """Watches a real run from the loop (diagnostics, benches) instead of copying it: ``on_step`` after each
-    step's record (``row``: the metrics.csv row), ``on_eval`` after each evaluation. Must not change the model,
-    the optimizer or any generator: the run's numbers are the same with or without observers."""
+    """Watches a real run from the loop (diagnostics, benches) instead of copying it: ``on_start`` before the
+    first evaluation (hooks go on the model here), ``on_step`` after each step's record (``row``: the metrics.csv
+    row), ``on_eval`` after each evaluation. Must not change the model, the optimizer or any generator: the run's
+    numbers are the same with or without observers."""
+
+    def on_start(self, scorer: Scorer, optimizer: torch.optim.Optimizer | None) -> None:
+        pass
 
     def on_step(self, step: int, row: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         pass
@@ -337,6 +341,8 @@ class LoopState:
         self.best_step, self.best_state, self.forward_passes = 0, None, 0
         self.done: tuple[str, str | None] | None = None  # a resumed run whose training had ended: test only
         self.training = False  # start_training() ran: the state can be checkpointed
+        for observer in loop.observers:
+            observer.on_start(scorer, optimizer)
 
     # --- evaluations -------------------------------------------------------------------------------------------
 

@@ -3,8 +3,8 @@
     python -m adazeta.tools.diagnose_zo --out results/diagnostics/collapse_lr1e-2.csv -- \
         method=adazeta schedule=constant method.optimizer.lr=1e-2
 
-Runs the training loop's ZO steps (same data order, same query seeds as ``adazeta-run`` with these overrides)
-and writes one CSV row per step: training loss, norm of the trainable set and of its last update, and at each
+Runs the run ``adazeta-run`` would run with these overrides (its files go to ``<out stem>_run/``) and watches it
+through the loop's observer hooks (``adazeta.train.Observer``), writing one CSV row per step: training loss, norm of the trainable set and of its last update, and at each
 dev evaluation (every ``--eval-every`` steps) the dev loss and accuracy, the fraction of dev examples whose
 candidates all score the same (to 1e-6), the RMS of the residual stream where the final norm reads it, the
 largest adapter gain ``||A(h) - h|| / ||h||`` over the adapter sites, and the fraction of final-norm inputs
@@ -18,6 +18,7 @@ import csv
 import math
 import os
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -63,65 +64,75 @@ class Probes:
         self.max_gain = max(self.max_gain, gain if math.isfinite(gain) else float("inf"))
 
 
-def main() -> None:
+class Diagnosis:
+    """An observer (``adazeta.train.Observer``) of a real run: one CSV row per step, eval columns where dev ran."""
+
+    def __init__(self, writer: csv.DictWriter, flush: Callable[[], None]):
+        self.writer, self.flush = writer, flush
+        self.pending: dict[str, Any] | None = None
+
+    def on_start(self, scorer, optimizer) -> None:
+        self.model = scorer.model
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.previous = [p.detach().clone() for p in self.params]
+        self.probes = Probes(self.model)
+
+    def on_step(self, step: int, row: dict[str, Any], optimizer) -> None:
+        self.write()
+        update = math.sqrt(sum(float((p.detach() - o).double().pow(2).sum()) for p, o in zip(self.params, self.previous)))
+        self.previous = [p.detach().clone() for p in self.params]
+        self.pending = {k: row[k] for k in ("step", "loss", "n_queries", "forward_passes", "param_norm")}
+        self.pending["update_norm"] = update
+        self.probes.reset()  # what the probes see next is the dev evaluation, if one follows this step
+
+    def on_eval(self, step: int, split: str, result) -> None:
+        if split != "dev":
+            return
+        if self.pending is None:  # step 0: the evaluation before training
+            norm = math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in self.params))
+            self.pending = {"step": 0, "param_norm": norm}
+        probes, hidden = self.probes, self.model.config.hidden_size
+        self.pending.update(
+            dev_loss=result.loss, dev_accuracy=result.score, tied_fraction=result.tied,
+            final_norm_input_rms=math.sqrt(probes.sq_sum / max(probes.count, 1)), max_adapter_gain=probes.max_gain,
+            overflow_fraction=probes.overflow / max(probes.count / hidden, 1))
+        self.write()
+        self.probes.reset()
+
+    def write(self) -> None:
+        if self.pending is not None:
+            self.writer.writerow(self.pending)
+            self.flush()
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.pending.items()),
+                  flush=True)
+            self.pending = None
+
+
+def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("overrides", nargs="*", help="adazeta-run overrides (after --)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     use_shared()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
 
-    from adazeta.build import build, compose_settings, seed_everything
-    from adazeta.evaluate import evaluate
-    from adazeta.optim.batched import ReplicaClosure
-    from adazeta.train import steps_per_epoch
+    from adazeta.build import compose_config
+    from adazeta.run import run
 
-    s = compose_settings(["wandb.mode=disabled", *args.overrides])
-    seed_everything(s.seed)
-    b = build(s)
-    model, scorer = b.model, b.scorer
-    dev = scorer.batches(b.enc["dev"], s.train.eval_batch_size, sort=True)
-    params = [p for _, p in b.named]
-    probes = Probes(model)
-
-    def dev_eval() -> dict[str, float]:
-        probes.reset()
-        result = evaluate(scorer, dev)  # the loop's own evaluation: loss, accuracy, tied share
-        rms = math.sqrt(probes.sq_sum / max(probes.count, 1))
-        return dict(dev_loss=result.loss, dev_accuracy=result.score, tied_fraction=result.tied,
-                    final_norm_input_rms=rms, max_adapter_gain=probes.max_gain,
-                    overflow_fraction=probes.overflow / max(probes.count / model.config.hidden_size, 1))
-
-    def norm() -> float:
-        return math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in params))
-
-    per_epoch = steps_per_epoch(len(b.enc["train"]), s.train.batch_size)
-    order_gen = torch.Generator().manual_seed(s.seed)  # as train(): data order only
-    order = torch.randperm(len(b.enc["train"]), generator=order_gen)
+    run_dir = args.out.with_name(args.out.stem + "_run")  # the run's own files (metrics.csv, eval.csv, ...)
+    cfg = compose_config(["wandb.mode=disabled", *args.overrides, f"train.max_steps={args.steps}",
+                          f"train.eval_every={args.eval_every}", "train.eval_every_forwards=null",
+                          "train.max_forward_passes=null"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
-        writer.writerow(dict(step=0, param_norm=norm(), **dev_eval()))
-        for step in range(1, args.steps + 1):
-            epoch, slot = divmod(step - 1, per_epoch)
-            if slot == 0 and step > 1:
-                order = torch.randperm(len(b.enc["train"]), generator=order_gen)
-            chosen = [b.enc["train"][i] for i in order[slot * s.train.batch_size : (slot + 1) * s.train.batch_size].tolist()]
-            batch = scorer.collate(chosen)
-            before = [p.detach().clone() for p in params]
-            q = b.schedule(epoch)
-            loss = b.optimizer.step(ReplicaClosure(model, lambda n, bt=batch: scorer.replica_losses(bt, n)), n_queries=q)
-            update = math.sqrt(sum(float((p.detach() - o).double().pow(2).sum()) for p, o in zip(params, before)))
-            row = dict(step=step, loss=float(loss), n_queries=q, forward_passes=b.optimizer.forward_passes,
-                       param_norm=norm(), update_norm=update)
-            if step % args.eval_every == 0:
-                row.update(dev_eval())
-            writer.writerow(row)
-            f.flush()
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        diagnosis = Diagnosis(writer, f.flush)
+        run(cfg, run_dir, observers=[diagnosis])
+        diagnosis.write()
+    return args.out
 
 
 if __name__ == "__main__":
