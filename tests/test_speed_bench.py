@@ -61,7 +61,7 @@ def test_bench_writes_every_measurement(fixture_data, tmp_path, monkeypatch):
     assert overhead["runs"] == "3" and overhead["setting"].endswith("3 pairs")  # its own rounds, a ratio per pair
     assert [r["setting"].split(" ")[0] for r in overheads] == ["SST-2", "RTE"] and overheads[1]["runs"] == "2"
     unfolded = next(r for r in rows if r["measurement"] == "TT adapters' forward overhead, unfolded products")
-    assert unfolded["runs"] == "3" and tt.FOLD  # the ablation's rounds; the folded forward is back on after
+    assert unfolded["runs"] == "3" and tt._FOLD  # the ablation's rounds; the folded forward is back on after
     gain = next(r for r in rows if r["measurement"] == "TT adapters' forward, folded / unfolded products")
     assert ("evaluation speed-up", "batched / one example at a time") in settings
     for r in rows:

@@ -583,7 +583,7 @@ def test_adapted_linear_calls_a_hooked_adapter_as_a_module():
     assert calls == ["hook"] and torch.equal(hooked, plain)
 
 
-def test_fold_off_runs_the_unfolded_products(monkeypatch):
+def test_unfolded_runs_the_unfolded_products_and_restores_folding(monkeypatch):
     from adazeta.adapters import tt
 
     adapters = torch.nn.ModuleList(TTAdapter(16, 4, [4, 4, 2, 2], [2, 2, 4, 4], rank=3,
@@ -594,7 +594,8 @@ def test_fold_off_runs_the_unfolded_products(monkeypatch):
     monkeypatch.setattr(TTAdapter, "_folded_forward", lambda self, x: folded.append(1) or _unfolded(self, x))
     with torch.no_grad():
         adapters[0](h)
-        monkeypatch.setattr(tt, "FOLD", False)
-        off = adapters[0](h)
+        with tt.unfolded():
+            off = adapters[0](h)
         assert torch.equal(off, _unfolded(adapters[0], h))
-    assert folded == [1]  # only the call with FOLD on took the folded path
+        adapters[0](h)
+    assert folded == [1, 1]  # the calls outside unfolded() took the folded path, the one inside did not

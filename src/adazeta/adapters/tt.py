@@ -9,9 +9,10 @@ TT matrices (``adazeta.tensor.tt``). It is placed on the input (``base(x + A(x))
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -27,8 +28,20 @@ from adazeta.tensor.tt import default_shape, init_cores, split_index, tt_factors
 # the `up` bias start at zero, so the adapted model equals the backbone at step 0 (as LoRA's B = 0 does).
 INITS = ("reference", "identity")
 # Without autograd, an adapter whose layers are grouped runs from their folded factors (TTAdapter._folded_forward);
-# False runs the unfolded products instead: the same numbers, kept so that the benchmark can time both.
-FOLD = True
+# inside ``unfolded()`` it runs the unfolded products instead: the same numbers, kept so that the benchmark can
+# time both. Set only through that context manager.
+_FOLD = True
+
+
+@contextlib.contextmanager
+def unfolded() -> Iterator[None]:
+    """Grouped adapters run their unfolded products while the block runs (the same numbers, more arithmetic)."""
+    global _FOLD
+    saved, _FOLD = _FOLD, False
+    try:
+        yield
+    finally:
+        _FOLD = saved
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {
     "relu": nn.ReLU,
@@ -332,7 +345,7 @@ class TTAdapter(nn.Module):
         if _called_as_module(down) or _called_as_module(up):
             # A layer with a forward of its own (weight replicas: adazeta.optim.batched) or with hooks.
             return (x + up(self.act(down(x)))).to(h.dtype)
-        if FOLD and not torch.is_grad_enabled() and down._group is not None and up._group is not None:
+        if _FOLD and not torch.is_grad_enabled() and down._group is not None and up._group is not None:
             return self._folded_forward(x).to(h.dtype)
         # The same products without the two layers' module calls, and the residual added into the last one's
         # fresh output: the same numbers (x + y == y + x), an allocation and two calls fewer per adapter.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import torch
@@ -153,6 +154,7 @@ class ZOSGD(torch.optim.Optimizer):
         self.last_losses: torch.Tensor | None = None
         self.last_projected_grads: torch.Tensor | None = None
         self.last_evaluated_seeds: list[int] | None = None  # several processes: the queries this rank evaluated
+        self.comm_s: list[float] = []  # several processes: seconds of each step's all-reduce (for the benches)
         self._restore: tuple[int, float] | None = None
         self._last_update: tuple | None = None  # what the last step applied, for ``intended_update``
 
@@ -343,7 +345,9 @@ class ZOSGD(torch.optim.Optimizer):
                 if plan.group == 0:  # the unperturbed loss: every group computes it, one group reports it
                     losses[0] = local_losses[0]
                 losses[1 + at] = local_losses[1:]
+        start = time.perf_counter()
         all_sum_(buffer)
+        self.comm_s.append(time.perf_counter() - start)  # the step's one all-reduce, timed where it runs
         return losses, grads
 
     @torch.no_grad()

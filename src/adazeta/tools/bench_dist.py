@@ -35,7 +35,7 @@ def worker(queries: int, steps: int, out: Path, overrides: list[str]) -> None:
     import torch.distributed as dist
 
     from adazeta import distributed
-    from adazeta.optim import zeroth_order, zo_sgd
+    from adazeta.optim import zeroth_order
     from adazeta.optim.batched import ReplicaClosure
     from adazeta.build import build, compose_settings, seed_everything
 
@@ -48,16 +48,7 @@ def worker(queries: int, steps: int, out: Path, overrides: list[str]) -> None:
     spread = distributed.Spread(d.rank, d.world_size, s.distributed.mode) if d.enabled else None
     items = b.enc["train"][: s.train.batch_size]
     scorer = b.scorer
-    comm: list[float] = []
-    all_sum = zo_sgd.all_sum_
-
-    def timed_all_sum(vector: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
-        result = all_sum(vector)
-        comm.append(time.perf_counter() - start)
-        return result
-
-    zo_sgd.all_sum_ = timed_all_sum
+    comm = b.optimizer.comm_s  # the optimizer times its own all-reduce, one entry a step
 
     def one_step() -> float:
         plan = spread.plan(queries, len(items)) if spread else None

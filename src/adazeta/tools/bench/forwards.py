@@ -55,13 +55,10 @@ def measure_forwards(args: argparse.Namespace, report: Report, setup: Setup, mod
     for name, stats in fwd.items():
         report.add("forward", "inference forward", name, stats, "s")
     # The overhead is a few % of a forward, below the drift between rounds: pairs of forwards, ratio per pair;
-    # and in the same rounds the adapters' unfolded products (tt.FOLD off: the same numbers), to show the gain.
+    # and in the same rounds the adapters' unfolded products (``tt.unfolded()``: the same numbers), to show the gain.
     def unfolded() -> Any:
-        tt.FOLD = False
-        try:
+        with tt.unfolded():
             return forwards["TT adapters, packed"]()
-        finally:
-            tt.FOLD = True
 
     with torch.inference_mode():
         pairs = timed({"plain": forwards["plain, packed"], "adapted": forwards["TT adapters, packed"],
