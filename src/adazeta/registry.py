@@ -28,7 +28,9 @@ class Registry(Generic[T]):
         self.kind = kind
         self._entries: dict[str, Entry[T]] = {}
 
-    def register(self, name: str, config_cls: type) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    def register(self, name: str, config_cls: type | None = None) -> Callable[[Callable[..., T]], Callable[..., T]]:
+        """``@REGISTRY.register(name, Config)`` on a builder; ``config_cls`` None for a registry of objects that
+        take no config (a ZO estimator: ``ESTIMATORS.register(name)(Estimator(...))``)."""
         def wrap(builder: Callable[..., T]) -> Callable[..., T]:
             if name in self._entries:
                 raise KeyError(f"{self.kind} {name!r} is registered twice")
@@ -39,6 +41,9 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
 
     def get(self, name: str) -> Entry[T]:
         if name not in self._entries:
@@ -175,3 +180,13 @@ def _fits(value: Any, hint: Any) -> tuple[bool, Any]:
     if dataclasses.is_dataclass(hint):
         return isinstance(value, (dict, hint)), value  # built (and checked) by the dataclass itself
     return True, value  # anything richer is the dataclass's own business
+
+
+# Every registry of the project has its home here, and one registration style: ``@REGISTRY.register(name, Config)``
+# on the builder, in the module that defines the piece (importing a package's modules registers its pieces).
+ADAPTERS: Registry = Registry("adapter")  # adazeta.adapters: trainable sets
+OPTIMIZERS: Registry = Registry("optimizer")  # adazeta.optim: ZO and first-order optimizers
+ESTIMATORS: Registry = Registry("ZO estimator")  # adazeta.optim.engine: how a ZO step's losses become g_q
+SCHEDULES: Registry = Registry("schedule")  # adazeta.schedules: query-count schedules
+HOOKS: Registry = Registry("task render hook")  # adazeta.tasks: prompts that need code (COPA, ReCoRD, QA)
+FLATTENERS: Registry = Registry("local row flattener")  # adazeta.tasks.hooks: nested local files as rows

@@ -13,11 +13,10 @@ import math
 from typing import Callable, ClassVar
 
 from adazeta.errors import ConfigError
-from adazeta.registry import Registry
+from adazeta.registry import SCHEDULES
 
 Schedule = Callable[[int], int]
 
-SCHEDULES: Registry[Schedule] = Registry("schedule")
 
 
 def constant_q(epoch: int, q: int) -> int:

@@ -7,9 +7,7 @@ does) and returns the model to train. Afterwards exactly the parameters the meth
 
 from typing import ClassVar
 
-from adazeta.registry import Registry
-
-ADAPTERS: Registry = Registry("adapter")
+from adazeta.registry import ADAPTERS  # noqa: F401  (the package's registry: adazeta.adapters.ADAPTERS)
 
 
 class AdapterCapabilities:

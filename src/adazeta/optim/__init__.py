@@ -16,9 +16,8 @@ Every optimizer a builder returns declares ``zeroth_order`` (``check_contract``,
 from typing import Any, ClassVar
 
 from adazeta.errors import ConfigError
-from adazeta.registry import Registry
+from adazeta.registry import OPTIMIZERS  # noqa: F401  (the package's registry: adazeta.optim.OPTIMIZERS)
 
-OPTIMIZERS: Registry = Registry("optimizer")
 
 
 class OptimizerCapabilities:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 import torch
 
+from adazeta.registry import ESTIMATORS
 from adazeta.optim.spsa import DirectionCache, Masks, NoiseLayout, _each_draw, perturb_, zo_update_
 
 if TYPE_CHECKING:
@@ -162,14 +163,14 @@ class Estimator:
     differences: str = "central"  # the finite differences ``ZOSGD``'s own evaluation takes (central, one_sided)
 
 
-ESTIMATORS: dict[str, Estimator] = {}
-
-
 def register_estimator(estimator: Estimator) -> Estimator:
-    if estimator.name in ESTIMATORS:
-        raise KeyError(f"ZO estimator {estimator.name!r} is registered twice")
-    ESTIMATORS[estimator.name] = estimator
-    return estimator
+    """``estimator`` registered under its name in ``ESTIMATORS`` (``method.optimizer.estimator`` picks it)."""
+    return ESTIMATORS.register(estimator.name)(estimator)
+
+
+def estimator(name: str) -> Estimator:
+    """The registered estimator ``name`` (a ConfigError naming the known ones otherwise)."""
+    return ESTIMATORS.get(name).builder
 
 
 def _differences(opt: "ZOSGD", closure: Closure, params: Sequence[torch.Tensor], seeds: Sequence[int], masks: Masks,

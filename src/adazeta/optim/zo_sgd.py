@@ -16,7 +16,7 @@ from adazeta.distributed import StepPlan, all_sum_
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS, OptimizerCapabilities
 from adazeta.optim.batched import auto_chunk, estimate_batched
-from adazeta.optim.engine import ESTIMATORS, SGDRule, Step, UpdateRule
+from adazeta.optim.engine import ESTIMATORS, SGDRule, Step, UpdateRule, estimator as estimator_of
 from adazeta.optim.spsa import (
     NOISE_STREAMS,
     DirectionCache,
@@ -50,7 +50,7 @@ def _validate(
     if reduction not in REDUCTIONS:
         raise ConfigError(f"{where}reduction={reduction!r} must be one of {', '.join(REDUCTIONS)}")
     if estimator not in ESTIMATORS:
-        raise ConfigError(f"{where}estimator={estimator!r} must be one of {', '.join(sorted(ESTIMATORS))}")
+        raise ConfigError(f"{where}estimator={estimator!r} must be one of {', '.join(ESTIMATORS.names())}")
     if noise not in NOISE_STREAMS:
         raise ConfigError(f"{where}noise={noise!r} must be one of {', '.join(NOISE_STREAMS)}")
 
@@ -148,7 +148,7 @@ class ZOSGD(torch.optim.Optimizer):
         self.n_queries = _check_queries(n_queries)
         self.reduction = reduction
         self.estimator = estimator
-        self.differences = ESTIMATORS[estimator].differences  # the finite differences ``_estimate`` takes
+        self.differences = estimator_of(estimator).differences  # the finite differences ``_estimate`` takes
         self.state_step = 0
         self.forward_passes = 0
         self.last_losses: torch.Tensor | None = None
@@ -188,7 +188,7 @@ class ZOSGD(torch.optim.Optimizer):
         cache = DirectionCache(layout, masks, self.KEEP_DIRECTION_BYTES)
 
         self._restore = None  # an estimate may leave its last restoring perturbation to the update's pass
-        losses, grads = ESTIMATORS[self.estimator].estimate(self, closure, params, seeds, masks, cache, plan)
+        losses, grads = estimator_of(self.estimator).estimate(self, closure, params, seeds, masks, cache, plan)
         update = Step(params, seeds, grads, lrs, wds, masks, layout, cache, self._restore, self.reduction, self.noise,
                       closure, losses)
         extra = self.rule.update_(self, update)  # the rule's own forwards (a candidate search), else 0
@@ -449,11 +449,11 @@ class ZOSGDConfig(OptimizerCapabilities):
 
     @property
     def forwards_per_query(self) -> int:
-        forwards = ESTIMATORS[self.estimator].forwards
+        forwards = estimator_of(self.estimator).forwards
         return forwards(1) - forwards(0)  # what one more query costs (one_sided: 1, plus one unperturbed a step)
 
     def forwards(self, queries: int) -> int:
-        return ESTIMATORS[self.estimator].forwards(queries)
+        return estimator_of(self.estimator).forwards(queries)
 
     @property
     def batches_queries(self) -> bool:
@@ -461,13 +461,13 @@ class ZOSGDConfig(OptimizerCapabilities):
 
     @property
     def parallel_modes(self) -> tuple[str, ...]:
-        return ESTIMATORS[self.estimator].parallel
+        return estimator_of(self.estimator).parallel
 
     def __post_init__(self) -> None:
         _validate("method.optimizer.", self.lr, self.eps, self.weight_decay, self.reduction, self.estimator, self.noise)
         _check_chunk("method.optimizer.", self.query_chunk)
         _check_memory("method.optimizer.", self.query_memory)
-        if self.batched_queries and not ESTIMATORS[self.estimator].batched:
+        if self.batched_queries and not estimator_of(self.estimator).batched:
             raise ConfigError(f"method.optimizer.estimator={self.estimator} evaluates no weight replicas; set "
                               "method.optimizer.batched_queries=false")
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from adazeta.errors import ConfigError
-from adazeta.registry import Registry
+from adazeta.registry import FLATTENERS
 from adazeta.tasks.spec import HOOKS, Example, PromptFormat, TaskSpec, fill
 
 Flattener = Callable[[dict[str, Any], str], list[dict[str, Any]]]
-FLATTENERS: Registry[Flattener] = Registry("local row flattener")
 
 
 def _field(row: dict[str, Any], key: str, where: str) -> Any:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from adazeta.errors import ConfigError
-from adazeta.registry import Registry
+from adazeta.registry import HOOKS
 
 METRICS = ("accuracy", "f1")
 # classification: cross-entropy over the candidates' scores; lm: the language-model loss of the gold candidate
@@ -232,7 +232,6 @@ class Example:
 
 
 RenderHook = Callable[["TaskSpec", PromptFormat, dict[str, Any], int], Example]
-HOOKS: Registry[RenderHook] = Registry("task render hook")
 
 
 def _upper_first(text: str) -> str:
