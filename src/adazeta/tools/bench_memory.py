@@ -215,7 +215,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", nargs="+", default=METHODS,
                         help="method configs; 'inference' = a forward only; '<method>_gc' = the method with "
-                             "train.gradient_checkpointing=true")
+                             "train.gradient_checkpointing=true; '<method>+<optimizer>' = the method trained by "
+                             "another optimizer option (adazeta+zo_adam)")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--task", default="sst2")
     parser.add_argument("--batch-size", type=int, default=16)
