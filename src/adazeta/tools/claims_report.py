@@ -238,7 +238,8 @@ def compare(a: Run | dict[int, Run], b: dict[int, Run], n_boot: int) -> dict | N
             "seeds": (len(ca), len(cb))}
 
 
-def accuracy(runs: dict[str, dict[int, Run]], cfg: dict, n_boot: int, alpha: float) -> tuple[list[str], list[str]]:
+def accuracy(runs: dict[str, dict[int, Run]], cfg: dict, n_boot: int, alpha: float,
+             plan: dict[str, int] | None = None) -> tuple[list[str], list[str]]:
     """Endpoint (c): test accuracy at the best-dev state, paired per example and per seed."""
     lines = ["| first arm | second arm | difference (points) [95 % CI] | paired bootstrap p | McNemar (first only / "
              "second only, p) | per-seed differences | sign-flip p |", "|---|---|---|---:|---|---|---:|"]
@@ -258,6 +259,10 @@ def accuracy(runs: dict[str, dict[int, Run]], cfg: dict, n_boot: int, alpha: flo
         lines.append(f"| {first} | {second} | {100 * b.diff:+.1f} [{100 * b.lo:+.1f}, {100 * b.hi:+.1f}] | "
                      f"{fmt_p(b.p)} | {m.a_only} / {m.b_only}, {fmt_p(m.p)} | "
                      f"{', '.join(f'{100 * d:+.1f}' for d in c['per_seed'])} | {fmt_p(c['flip'])} |")
+        missing = {arm: (len(runs.get(arm, {})), plan[arm]) for arm in (first, second)
+                   if plan and len(runs.get(arm, {})) < plan.get(arm, 0)}
+        if missing:  # seeds still to run: an arm with one seed so far is paired with every seed of the other
+            verdict += " (interim: " + ", ".join(f"`{a}` {n} of {m} seeds" for a, (n, m) in missing.items()) + ")"
         verdicts.append(f"- (c) accuracy, `{first}` >= `{second}`: **{verdict}**: {100 * b.diff:+.1f} points "
                         f"[{100 * b.lo:+.1f}, {100 * b.hi:+.1f}], paired bootstrap {p_is(b.p)} "
                         f"({c['seeds'][0]} vs {c['seeds'][1]} seeds)")
@@ -373,7 +378,7 @@ def report(name: str, out: Path) -> Path:
     every = int(config["train"]["eval_every_forwards"])
     v_a, t_a = speed(runs, ends["speed"])
     v_b, t_b = stability(runs, ends["stability"], alpha)
-    v_c, t_c = accuracy(runs, ends["accuracy"], n_boot, alpha)
+    v_c, t_c = accuracy(runs, ends["accuracy"], n_boot, alpha, {arm: len(planned(config, arm)) for arm in config["arms"]})
     seeds = config["design"]["seeds"]
     text = [
         f"# {name}: the pre-registered test of AdaZeta's claims",
