@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+import adazeta.build as build_module
 import adazeta.run as run_module
 from helpers import SHARED_DATA, SHARED_MODELS, compose_cfg, needs_shared_data, needs_shared_model
 
@@ -15,14 +16,14 @@ pytestmark = [pytest.mark.slow, needs_shared_data, needs_shared_model]
 
 def test_zero_shot_smollm2_records_accuracy_on_four_real_tasks(tmp_path, monkeypatch):
     loaded = []
-    load_model = run_module.load_model
+    load_model = build_module.load_model
 
     def load_once(cfg, seed=0):  # zero-shot leaves the model untouched: the four runs can share one load
         if not loaded:
             loaded.append(load_model(cfg, seed=seed))
         return loaded[0]
 
-    monkeypatch.setattr(run_module, "load_model", load_once)
+    monkeypatch.setattr(build_module, "load_model", load_once)
     accuracies = {}
     for task in ("rte", "cb", "copa", "sst2"):
         out = tmp_path / task
