@@ -143,3 +143,10 @@ def test_f1_objective_refuses_first_order_methods(monkeypatch, tmp_path):
     squad_hub(monkeypatch)
     with pytest.raises(ConfigError, match="f1_objective=true .* no gradient"):
         squad_run(tmp_path, "method=ft", "task.f1_objective=true")
+
+
+def test_f1_objective_refuses_the_forward_gradient_before_any_work(monkeypatch, tmp_path):
+    squad_hub(monkeypatch)
+    with pytest.raises(ConfigError, match="estimator=forward_grad cannot train on it"):
+        squad_run(tmp_path / "run", "method=mezo", "task.f1_objective=true", "optimizer@method.optimizer=forward_grad")
+    assert not (tmp_path / "run").exists()

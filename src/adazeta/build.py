@@ -99,6 +99,9 @@ def preflight(s: Settings) -> None:
             f"optimizer {s.optimizer.kind!r} cannot spread its work over processes with distributed.mode="
             f"{s.distributed.mode} (modes it supports: {ways}); launch one process or choose another mode"
         )
+    if s.task.f1_objective and s.optimizer is not None and getattr(s.optimizer.config, "estimator", None) == "forward_grad":
+        raise ConfigError("task.f1_objective=true scores generated answers, which have no derivative: "
+                          "method.optimizer.estimator=forward_grad cannot train on it; use a finite-difference estimator")
     if s.dry_run:
         return
     resolve_device(s.model.device)  # model.device=cuda on a machine without one: stop before any data is read
