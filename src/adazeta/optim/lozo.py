@@ -38,7 +38,9 @@ import torch
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
 from adazeta.optim.engine import Step, UpdateRule, decay_
-from adazeta.optim.own_directions import OwnDirectionsConfig, OwnDirectionsZO, matrix_shape, work_dtype
+from adazeta.optim.own_directions import (
+    OwnDirectionsConfig, OwnDirectionsZO, matrix_shape, summed_factors, work_dtype,
+)
 from adazeta.optim.spsa import _Streams, decay_groups, projected_gradient, subspace_seed
 from adazeta.optim.zo_sgd import zo_settings
 
@@ -80,17 +82,10 @@ class LowRankRule(UpdateRule):
     def update_(self, opt: "LOZO", step: Step) -> int:
         params = step.params
         basis = opt.basis(params)
-        scale = 1.0 / len(step.seeds) if step.reduction == "mean" else 1.0
-        total: list[torch.Tensor] | None = None
-        for seed, g in zip(step.seeds, step.grads):
-            factors = opt.factors(params, seed)
-            if total is None:
-                total = [torch.zeros_like(f) for f in factors]
-            for t, f in zip(total, factors):
-                t.add_(f * g.to(f.device, f.dtype))
+        total = summed_factors(opt, params, step.seeds, step.grads, step.reduction)
         decay_(params, step.lrs, step.wds)  # w (1 - lr wd) - lr g: the same as w - lr (g + wd w)
-        for p, t, v, lr in zip(params, total or [], basis, step.lrs):
-            p.add_(lowrank_direction(p, t, v), alpha=-lr * scale)
+        for p, t, v, lr in zip(params, total, basis, step.lrs):
+            p.add_(lowrank_direction(p, t, v), alpha=-lr)
         return 0
 
 

@@ -81,6 +81,23 @@ class OwnDirectionsZO(ZOSGD):
         return torch.stack(losses)
 
 
+def summed_factors(opt: Any, params: Sequence[torch.Tensor], seeds: Sequence[int], grads: torch.Tensor,
+                   reduction: str) -> list[torch.Tensor]:
+    """(1/Q or 1) sum_q g_q f_q for each parameter, f_q = ``opt.factors(params, seed_q)`` (LOZO's U_q, ZO-Muon's
+    u_q, a vector's z_q), redrawn from the step's seeds."""
+    total: list[torch.Tensor] = []
+    for seed, g in zip(seeds, grads):
+        factors = opt.factors(params, seed)
+        if not total:
+            total = [torch.zeros_like(f) for f in factors]
+        for t, f in zip(total, factors):
+            t.add_(f * g.to(f.device, f.dtype))
+    if reduction == "mean":
+        for t in total:
+            t.div_(len(seeds))
+    return total
+
+
 @dataclasses.dataclass
 class OwnDirectionsConfig(ZOSGDConfig):
     """ZO-SGD's keys, with what an optimizer of its own directions cannot do refused at start-up."""

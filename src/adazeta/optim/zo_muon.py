@@ -48,7 +48,9 @@ from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
 from adazeta.optim.engine import Step, UpdateRule, decay_
 from adazeta.optim.lozo import _check_positive
-from adazeta.optim.own_directions import OwnDirectionsConfig, OwnDirectionsZO, matrix_shape, work_dtype
+from adazeta.optim.own_directions import (
+    OwnDirectionsConfig, OwnDirectionsZO, matrix_shape, summed_factors, work_dtype,
+)
 from adazeta.optim.spsa import _Streams, decay_groups, projected_gradient, subspace_seed
 from adazeta.optim.zo_sgd import zo_settings
 
@@ -93,18 +95,10 @@ class MuonRule(UpdateRule):
     def update_(self, opt: "ZOMuon", step: Step) -> int:
         params = step.params
         basis = opt.basis(params)
-        scale = 1.0 / len(step.seeds) if step.reduction == "mean" else 1.0
-        total: list[torch.Tensor] | None = None
-        for seed, g in zip(step.seeds, step.grads):
-            factors = opt.factors(params, seed)
-            if total is None:
-                total = [torch.zeros_like(f) for f in factors]
-            for t, f in zip(total, factors):
-                t.add_(f * g.to(f.device, f.dtype))
+        total = summed_factors(opt, params, step.seeds, step.grads, step.reduction)
         lrs = [lr if P is not None else opt.vector_lr for lr, P in zip(step.lrs, basis)]
         decay_(params, lrs, step.wds)  # w (1 - lr wd) - lr G: the same as w - lr (G + wd w)
-        for p, t, P, lr in zip(params, total or [], basis, lrs):
-            t.mul_(scale)
+        for p, t, P, lr in zip(params, total, basis, lrs):
             move = t if P is None else (P @ newton_schulz5(t, opt.ns_steps)).view(p.shape)
             p.add_(move, alpha=-lr)
         return 0
