@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from adazeta.tools import claims_report
-from adazeta.tools.experiment import Job, grid
+from adazeta.tools.experiment import Job, load
 from helpers import ROOT
 
-CONFIG = yaml.safe_load((ROOT / "conf" / "experiment" / "cpu_zo_claims.yaml").read_text())
+CONFIG, DESIGN = load("cpu_zo_claims")
 
 
 def write_run(arm: str, seed: int, losses: list[float], correct: np.ndarray, status: str = "finished",
               every: int = 200) -> None:
     """A run whose dev loss is ``losses[i]`` after i x ``every`` forward passes (Q = 1: 2 forwards a step)."""
-    run_dir = Job(arm, grid(CONFIG["arms"][arm])[0], seed, "cpu_zo_claims", []).run_dir
+    run_dir = Job(arm, DESIGN.arms[arm].lrs[0], seed, "cpu_zo_claims", []).run_dir
     (run_dir / "predictions").mkdir(parents=True)
     steps = [i * every // 2 for i in range(len(losses))]
     with open(run_dir / "metrics.csv", "w") as f:

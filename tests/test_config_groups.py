@@ -46,21 +46,13 @@ def _options(group: str) -> list[str]:
 
 
 def _experiment_points() -> list[list[str]]:
-    """Each experiment with every method it runs (its sweep's method list, or its arms' overrides)."""
+    """Each experiment with each of its arms (adazeta.experiments: a table's arms are its methods)."""
+    from adazeta.experiments import compose_experiment, design_of
+
     points = []
     for name in _options("experiment"):
-        spec = yaml.safe_load((CONF / "experiment" / f"{name}.yaml").read_text()) or {}
-        params = ((spec.get("hydra") or {}).get("sweeper") or {}).get("params") or {}
-        if "method" not in params:  # table2_llama_paper_schedule inherits table2_llama's, then narrows it
-            parent = next((d for d in spec.get("defaults", []) if isinstance(d, str)), None)
-            if parent:
-                parent_spec = yaml.safe_load((CONF / "experiment" / f"{parent}.yaml").read_text())
-                params = {**parent_spec["hydra"]["sweeper"]["params"], **params}
-        for method in str(params.get("method", "")).split(","):
-            if method:
-                points.append([f"experiment={name}", f"method={method}"])
-        for arm in (spec.get("arms") or {}).values():
-            points.append([f"experiment={name}", *arm["overrides"]])
+        design = design_of(compose_experiment(name), name)
+        points += [[f"experiment={name}", *arm.overrides] for arm in (design.arms.values() if design else [])]
     return points
 
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from adazeta.errors import ConfigError
+from adazeta.experiments import design_of
 from adazeta.tools import experiment as driver
-from helpers import ROOT
 
 CONFIG = {
     "arms": {
@@ -19,6 +20,7 @@ CONFIG = {
     },
     "design": {"select_seed": 0, "seeds": [0, 1, 2], "stress": [3, 10], "order": ["zs", "zo", "fo"]},
 }
+DESIGN = design_of(CONFIG)
 
 
 @pytest.fixture
@@ -35,7 +37,7 @@ def finish(job, dev: float, dev_loss: float = 0.5, status: str = "finished", tes
 
 
 def test_select_runs_every_grid_point_at_the_selection_seed_interleaved_by_arm(root):
-    jobs = driver.plan("x", CONFIG, "select", None)
+    jobs = driver.plan("x", DESIGN, "select", None)
     assert [(j.arm, j.lr, j.seed) for j in jobs] == [("zs", None, 0), ("zo", 1e-3, 0), ("fo", 1e-3, 0), ("zo", 1e-4, 0)]
     assert jobs[0].run_dir == root / "results" / "runs" / "x" / "zs" / "seed=0"
     assert jobs[1].run_dir.name == "lr=0.001,seed=0"
@@ -49,30 +51,28 @@ def test_select_runs_every_grid_point_at_the_selection_seed_interleaved_by_arm(r
 
 
 def test_later_phases_wait_for_the_whole_grid_then_use_the_dev_choice_never_test(root):
-    jobs = {(j.arm, j.lr): j for j in driver.plan("x", CONFIG, "select", None)}
+    jobs = {(j.arm, j.lr): j for j in driver.plan("x", DESIGN, "select", None)}
     finish(jobs["zo", 1e-3], dev=0.70, dev_loss=0.60, test=0.99)
-    assert [j.arm for j in driver.plan("x", CONFIG, "seeds", None)] == []  # zs, fo, zo's second point missing
+    assert [j.arm for j in driver.plan("x", DESIGN, "seeds", None)] == []  # zs, fo, zo's second point missing
     finish(jobs["zo", 1e-4], dev=0.70, dev_loss=0.40, test=0.10)  # same dev accuracy, lower dev loss: chosen
     finish(jobs["zs", None], dev=0.5)
     finish(jobs["fo", 1e-3], dev=0.9)
-    seeds = driver.plan("x", CONFIG, "seeds", None)
+    seeds = driver.plan("x", DESIGN, "seeds", None)
     assert sorted((j.arm, j.lr, j.seed) for j in seeds) == [
         ("fo", 1e-3, 1), ("fo", 1e-3, 2), ("zo", 1e-4, 1), ("zo", 1e-4, 2), ("zs", None, 1), ("zs", None, 2)]
-    stress = driver.plan("x", CONFIG, "stress", None)  # ZO arms only, in their own experiment; 10 x 1e-4 = 1e-3
+    stress = driver.plan("x", DESIGN, "stress", None)  # ZO arms only, in their own experiment; 10 x 1e-4 = 1e-3
     assert [(j.arm, j.lr, j.experiment) for j in stress] == [("zo", pytest.approx(3e-4), "x_stress")]  # is a grid point
     assert all(j.done() for j in jobs.values())
 
 
 def test_unknown_arms_are_refused_with_the_known_ones(root):
-    with pytest.raises(SystemExit, match="unknown arm.*known: zo, fo, zs"):
-        driver.plan("x", CONFIG, "select", ["zo", "nope"])
+    with pytest.raises(SystemExit, match="unknown arm.*known: zs, zo, fo"):
+        driver.plan("x", DESIGN, "select", ["zo", "nope"])
 
 
 def test_the_committed_cpu_zo_experiment_parses_and_plans():
-    import yaml
-
-    config = yaml.safe_load((ROOT / "conf" / "experiment" / "cpu_zo.yaml").read_text())
-    jobs = driver.plan("cpu_zo", config, "select", None)
+    _, design = driver.load("cpu_zo")
+    jobs = driver.plan("cpu_zo", design, "select", None)
     arms = {j.arm for j in jobs}
     assert {"adazeta", "adazeta_identity", "tt_q1", "mezo_lora", "mezo", "tt_adapter_fo", "zero_shot"} <= arms
     assert all(j.seed == 0 for j in jobs)
@@ -83,25 +83,23 @@ def test_an_arm_with_its_own_seeds_runs_only_at_them(root):
                        "zs": {"overrides": ["method=zero_shot"], "seeds": [0]},
                        "late": {"overrides": ["method=icl"], "seeds": [2]}},
               "design": {"select_seed": 0, "seeds": [0, 1, 2], "order": ["zo", "zs", "late"]}}
-    select = driver.plan("x", config, "select", None)
+    select = driver.plan("x", design_of(config), "select", None)
     assert [(j.arm, j.seed) for j in select] == [("zo", 0), ("zs", 0)]
     for job in select:
         finish(job, dev=0.6)
-    seeds = driver.plan("x", config, "seeds", None)
+    seeds = driver.plan("x", design_of(config), "seeds", None)
     assert [(j.arm, j.lr, j.seed) for j in seeds] == [("zo", 1e-3, 1), ("zo", 1e-3, 2), ("late", None, 2)]
 
 
 def test_the_preregistered_claims_experiment_plans_seed_major_with_one_rate_per_arm(root):
-    import yaml
-
-    config = yaml.safe_load((ROOT / "conf" / "experiment" / "cpu_zo_claims.yaml").read_text())
+    config, design = driver.load("cpu_zo_claims")
     assert config["train"]["max_forward_passes"] == 3000 and config["data"]["seed"] == 0
-    assert all(len(driver.grid(spec)) == 1 for spec in config["arms"].values())
-    select = driver.plan("cpu_zo_claims", config, "select", None)
+    assert all(len(arm.lrs) == 1 for arm in design.arms.values())
+    select = driver.plan("cpu_zo_claims", design, "select", None)
     assert [j.arm for j in select[:4]] == ["mezo_lora", "ada_official", "ada_paper", "tt_q1"]
     for job in select:
         finish(job, dev=0.6)
-    seeds = driver.plan("cpu_zo_claims", config, "seeds", None)
+    seeds = driver.plan("cpu_zo_claims", design, "seeds", None)
     per_arm = {a: sorted(j.seed for j in seeds if j.arm == a) for a in {j.arm for j in seeds}}
     assert per_arm == {a: [1, 2, 3] for a in ("mezo_lora", "ada_official", "ada_paper", "tt_q1", "icl", "tt_fo")}
 
@@ -120,3 +118,85 @@ def test_a_dirty_tree_is_refused_unless_allowed_and_launches_are_logged(root, mo
     assert rows[0].split(",") == driver.LAUNCH_COLUMNS
     assert rows[1].split(",")[1:] == ["zs", "", "0", "results/runs/x/zs/seed=0", "abc", "True", "True",
                                       "adazeta-run method=zero_shot"]
+
+
+# --- the one schema: a grid every arm runs over, its Hydra sweep derived from it ------------------------------------
+
+GRID = {
+    "arms": {"zo": {"overrides": ["method=mezo"], "lr": [1e-3, 1e-4]}, "zs": {"overrides": ["method=zero_shot"]}},
+    "design": {"grid": {"task": ["rte", "cb"]}, "seeds": [0, 1]},
+}
+
+
+def test_a_grid_runs_every_arm_at_every_point_and_chooses_each_lr_per_point(root):
+    design = design_of(GRID)
+    select = driver.plan("t", design, "select", None)
+    assert [(j.arm, dict(j.point)["task"], j.lr, j.seed) for j in select] == [
+        ("zo", "rte", 1e-3, 0), ("zs", "rte", None, 0), ("zo", "rte", 1e-4, 0),
+        ("zo", "cb", 1e-3, 0), ("zs", "cb", None, 0), ("zo", "cb", 1e-4, 0)]
+    assert select[0].run_dir == root / "results" / "runs" / "t" / "zo" / "task=rte,lr=0.001,seed=0"
+    assert select[1].run_dir.name == "task=rte,seed=0"
+    cmd = driver.command("t", select[0], [])
+    assert cmd[3:7] == ["experiment=t", "method=mezo", "task=rte", "method.name=zo"]
+    by_point = {(j.arm, dict(j.point)["task"], j.lr): j for j in select}
+    finish(by_point["zo", "rte", 1e-3], dev=0.9)  # rte prefers 1e-3, cb 1e-4: chosen where each was measured
+    finish(by_point["zo", "rte", 1e-4], dev=0.6)
+    finish(by_point["zo", "cb", 1e-3], dev=0.5)
+    finish(by_point["zo", "cb", 1e-4], dev=0.7)
+    finish(by_point["zs", "rte", None], dev=0.5)
+    seeds = driver.plan("t", design, "seeds", None)
+    assert [(j.arm, dict(j.point)["task"], j.lr, j.seed) for j in seeds] == [
+        ("zo", "rte", 1e-3, 1), ("zs", "rte", None, 1), ("zo", "cb", 1e-4, 1)]  # zs at cb: its run is missing
+
+
+def test_the_hydra_sweep_is_derived_from_the_arms_and_design():
+    from omegaconf import OmegaConf
+
+    from adazeta.experiments import sweep_params
+
+    params = sweep_params(OmegaConf.create({**GRID, "experiment_name": "t", "seed": 0}))
+    assert params == {"task": "rte,cb", "seed": "0,1", "method": "mezo,zero_shot"}  # the method innermost
+    narrowed = OmegaConf.create({**GRID, "experiment_name": "t", "design": {**GRID["design"], "arms": ["zs"]}})
+    assert sweep_params(narrowed)["method"] == "zero_shot"
+    assert "seed" not in sweep_params(OmegaConf.create({"arms": GRID["arms"], "seed": 3}))  # undeclared: not swept
+    assert sweep_params(OmegaConf.create({"seed": 0})) == {}  # no arms: a plain `adazeta-run -m`
+    composite = OmegaConf.create({"experiment_name": "c", "arms": {"tt": {"overrides": ["method=adazeta",
+                                                                                         "schedule=constant"]}}})
+    with pytest.raises(ConfigError, match="arm 'tt' changes more than its method .*python -m adazeta.tools.experiment c"):
+        sweep_params(composite)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"design": {"seeds": [0], "sedes": [1]}}, "design has unknown key.*sedes"),
+    ({"arms": {"zo": {"lr": [1e-3]}}}, r"arms.zo needs `overrides:`"),
+    ({"arms": {"zo": {"overrides": ["method=mezo"], "lrs": [1]}}}, r"arms.zo has unknown key.*lrs"),
+    ({"arms": {"zo": {"overrides": ["method=mezo"], "lr": "1e-3"}}}, r"arms.zo.lr must be a non-empty list"),
+    ({"arms": {"zo": {"overrides": ["method=mezo"], "lr": ["fast"]}}}, r"arms.zo.lr must list floats"),
+    ({"design": {"arms": ["zo", "nope"]}}, "design.arms names nope"),
+    ({"design": {"grid": ["task"]}}, "design.grid must map an override key to its values"),
+])
+def test_a_bad_schema_is_one_line_naming_the_key(change, message):
+    bad = {"arms": change.get("arms", GRID["arms"]), "design": change.get("design", GRID["design"])}
+    with pytest.raises(ConfigError, match=message):
+        design_of(bad, "t")
+
+
+def test_every_committed_experiment_has_the_one_schema_and_no_other():
+    """Every experiment config declares arms (and, for a sweep, derives its Hydra params from them): no `tuning:`
+    block, no hand-written sweeper params left to disagree with its arms."""
+    from adazeta.experiments import compose_experiment
+    from helpers import CONF
+
+    for path in sorted((CONF / "experiment").glob("*.yaml")):
+        config = compose_experiment(path.stem)
+        assert design_of(config, path.stem) is not None, path.stem
+        assert "tuning" not in config, path.stem
+        text = path.read_text()
+        if "sweeper:" in text:
+            assert "params: ${experiment_sweep:}" in text, path.stem
+
+
+def test_the_driver_refuses_an_unknown_experiment_in_one_line(root, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["experiment.py", "nosuch", "--dry"])
+    with pytest.raises(SystemExit, match="no experiment config .*nosuch.yaml; known experiments: .*cpu_zo"):
+        driver.main()

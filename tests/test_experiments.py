@@ -67,8 +67,8 @@ def test_table2_composes_to_what_the_reference_scripts_ran(method):
         assert (s.optimizer.config.lr, s.optimizer.config.weight_decay) == (lr, weight_decay)
     if s.optimizer is not None and s.optimizer.kind != "adamw":  # every ZO method
         assert s.optimizer.config.eps == 1e-3
-        tuning = compose_cfg(["experiment=table2_llama"]).tuning
-        assert s.optimizer.config.lr in tuning[method]["method.optimizer.lr"]  # the grid holds the reference lr
+        arms = compose_cfg(["experiment=table2_llama"]).arms
+        assert s.optimizer.config.lr in arms[method].lr  # the arm's lr grid holds the reference lr
     if method == "adazeta":
         # The reference code's schedule (SHRINK 0.85, NUM 20, NUM_MAX 15): beta derived from E, Q capped at 15.
         assert s.schedule.kind == "adaptive_official"
@@ -393,3 +393,28 @@ def test_an_experiment_plan_that_grows_does_not_split_its_runs():
     assert setting_of(old) == setting_of(new)
     assert config_differences(old, new) == []
     assert config_differences(old, {**new, "train": {"max_steps": 5}}) == ["train.max_steps: 4 -> 5"]
+
+
+def test_an_experiments_hydra_sweep_comes_from_its_arms_and_design(tmp_path, fixture_data):
+    """`adazeta-run -m experiment=NAME` runs the grid x seeds x methods its one schema declares (a user's experiment
+    in a --config-dir), each point once, and skips them all on a rerun."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "derived.yaml").write_text(
+        "# @package _global_\nexperiment_name: derived\n"
+        "arms:\n  mezo: {overrides: [method=mezo], lr: [1.0e-4, 1.0e-3]}\n  zero_shot: {overrides: [method=zero_shot]}\n"
+        "design:\n  grid: {task: [rte]}\n  seeds: [0, 1]\n"
+        f"hydra:\n  sweep: {{dir: {tmp_path / 'runs'}}}\n  sweeper:\n    params: ${{experiment_sweep:}}\n")
+    args = ["-m", "--config-dir", str(tmp_path / "conf"), "experiment=derived", "model=tiny-llama",
+            f"data.dir={fixture_data}", "data.num_train=16", "data.num_dev=8", "data.num_eval=8", "train.max_steps=1",
+            "train.eval_every=1", "train.batch_size=4", "wandb.mode=disabled"]
+    first = subprocess.run([sys.executable, "-m", "adazeta.cli", *args], cwd=ROOT, env=ENV, capture_output=True,
+                           text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    points = sorted(tuple(kv for kv in p.parent.name.split(",") if kv.split("=")[0] in ("method", "seed", "task"))
+                    for p in (tmp_path / "runs").rglob("result.json"))
+    assert points == [("method=mezo", "seed=0", "task=rte"), ("method=mezo", "seed=1", "task=rte"),
+                      ("method=zero_shot", "seed=0", "task=rte"), ("method=zero_shot", "seed=1", "task=rte")]
+    assert "method.optimizer.lr" not in first.stdout  # the reference lr: the lr grid is the driver's
+    again = subprocess.run([sys.executable, "-m", "adazeta.cli", *args], cwd=ROOT, env=ENV, capture_output=True,
+                           text=True, timeout=600)
+    assert again.returncode == 0 and again.stdout.count("skipping:") == 4

@@ -318,10 +318,11 @@ def test_a_diverged_run_does_not_set_the_loss_scale(monkeypatch, tmp_path):
         for arm, lr, status, loss, loss2 in [("mezo", 1e-5, "finished", 0.8, 0.7), ("mezo", 1e-4, "diverged", 3.8, 31.0),
                                              ("mezo_lora", 1e-3, "finished", 0.9, 0.6)]
     }
-    monkeypatch.setattr(cpu_zo_report, "grid", lambda spec: spec["lr"])
     monkeypatch.setattr(cpu_zo_report, "load", lambda run_dir: records.get((run_dir.parent.name, float(
         run_dir.name.split(",")[0].split("=")[1]))))
-    arms = {"mezo": {"lr": [1e-5, 1e-4]}, "mezo_lora": {"lr": [1e-3]}}
+    from adazeta.experiments import Arm
+
+    arms = {"mezo": Arm("mezo", ("method=mezo",), (1e-5, 1e-4)), "mezo_lora": Arm("mezo_lora", ("method=mezo_lora",), (1e-3,))}
     fig = cpu_zo_report.plot_grids("grid", ["mezo", "mezo_lora"], arms, 0, tmp_path / "grid.png")
     low, high = fig.axes[0].get_ylim()
     assert high < 1.5 and low < 0.6, (low, high)

@@ -42,9 +42,9 @@ NON_RESULT_KEYS = ("force", "dry_run", "verbose", "data.dir", "model.model_dir",
 # ``distributed.``: how the work is divided over processes (a data-parallel sum differs from one process only by
 # rounding). ``guard.``: measurements of a run (its stall stop ends only a run whose updates change nothing).
 # ``model.placements``: fixed data of the model's YAML (the recorded placement and model name say which sites a
-# run used; older records do not hold it). ``arms.``, ``design.``, ``tuning.``: an experiment's plan for its drivers
-# (adazeta.tools.experiment, adazeta.tools.sweep), not a run's hyper-parameters: a plan that grows (a new arm) must
-# not split the runs it already holds.
+# run used; older records do not hold it). ``arms.``, ``design.``: an experiment's plan (adazeta.experiments; older
+# records hold a ``tuning.`` block, its former lr grids), not a run's hyper-parameters: a plan that grows (a new arm)
+# must not split the runs it already holds.
 NON_RESULT_PREFIXES = ("wandb.", "hydra.", "distributed.", "guard.", "model.placements.", "arms.", "design.", "tuning.")
 # A task's settings for the other model family: a causal run never reads its masked template, and vice versa.
 OTHER_FAMILY = {"causal": ("task.masked.", "task.masked_data."), "masked": ("task.causal.", "task.hub.", "task.local.")}

@@ -5,9 +5,9 @@ writes goes under the current directory (``results/...``), and ``../shared`` bes
 data where ``$ADAZETA_MODEL_DIR`` / ``$ADAZETA_DATA_DIR`` are unset (``offline``).
 
 Drivers (launch runs through ``adazeta-run``):
-    experiment         an experiment of arms: lr grids on dev, seeds at the dev-chosen lr, stress runs
-                       (make cpu-zo, cpu-zo-claims, cpu-zo-optimizers)
-    sweep              an experiment's per-method tuning grids, one Hydra multirun each
+    experiment         every experiment's one driver (its arms, grid and seeds: adazeta.experiments): lr grids
+                       on dev, seeds at the dev-chosen lr, stress runs (make cpu-zo, cpu-zo-claims,
+                       cpu-zo-optimizers; python -m adazeta.tools.experiment table2_llama --phase select)
 
 Reports (read result files, write tables and figures):
     make_tables        results/tables from results/runs, dev-selected, the paper's numbers beside (make tables)

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from adazeta import stats
 from adazeta.tools.cpu_zo_report import read_csv
-from adazeta.tools.experiment import Job, grid, runs_at
-from adazeta.paths import config_dir
+from adazeta.experiments import Design
+from adazeta.tools.experiment import Job
+from adazeta.tools.experiment import load as load_experiment
 
 MISSING = "—"
 CONFIRMED, REFUTED, UNRESOLVED = "confirmed", "refuted", "unresolved"
@@ -81,22 +81,21 @@ def load_run(arm: str, seed: int, run_dir: Path) -> Run | None:
     return Run(arm, seed, rec, curve, [r["row"] for r in rows], correct)
 
 
-def load_runs(name: str, config: dict) -> dict[str, dict[int, Run]]:
-    seeds = [int(s) for s in config["design"]["seeds"]]
+def load_runs(name: str, design: Design) -> dict[str, dict[int, Run]]:
     out: dict[str, dict[int, Run]] = {}
-    for arm, spec in config["arms"].items():
+    for arm, spec in design.arms.items():
         out[arm] = {}
-        for seed in seeds:
-            if not runs_at(spec, seed):
+        for seed in design.seeds:
+            if not spec.runs_at(seed):
                 continue
-            run = load_run(arm, seed, Job(arm, grid(spec)[0], seed, name, []).run_dir)
+            run = load_run(arm, seed, Job(arm, spec.lrs[0], seed, name, []).run_dir)
             if run is not None:
                 out[arm][seed] = run
     return out
 
 
-def planned(config: dict, arm: str) -> list[int]:
-    return [int(s) for s in config["design"]["seeds"] if runs_at(config["arms"][arm], int(s))]
+def planned(design: Design, arm: str) -> list[int]:
+    return [s for s in design.seeds if design.arms[arm].runs_at(s)]
 
 
 def correctness(runs: dict[int, Run]) -> tuple[np.ndarray | None, list[str]]:
@@ -293,12 +292,12 @@ def baselines(runs: dict[str, dict[int, Run]], cfg: dict, zo_arms: list[str], n_
 # --- tables and figure -----------------------------------------------------------------------------------------
 
 
-def overview(runs: dict[str, dict[int, Run]], config: dict, n_boot: int) -> list[str]:
+def overview(runs: dict[str, dict[int, Run]], config: dict, design: Design, n_boot: int) -> list[str]:
     lines = ["| arm | runs (finished / diverged of planned) | test accuracy: mean over seeds [95 % t CI] | "
              "[95 % bootstrap CI over examples] | dev accuracy at best | best dev loss | forwards | peak MiB | "
              "minutes a run | code |", "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
     for arm in config["arms"]:
-        got, plan = runs.get(arm, {}), planned(config, arm)
+        got, plan = runs.get(arm, {}), planned(design, arm)
         if not got:
             lines.append(f"| {arm} | 0 / 0 of {len(plan)} | {MISSING} | {MISSING} | | | | | | |")
             continue
@@ -367,19 +366,19 @@ def figure(runs: dict[str, dict[int, Run]], arms: list[str], path: Path) -> None
 
 
 def report(name: str, out: Path) -> Path:
-    config = yaml.safe_load((Path(config_dir()) / "experiment" / f"{name}.yaml").read_text())
+    config, design = load_experiment(name)
     ends = config.get("endpoints")
     if not ends:
         raise SystemExit(f"claims_report: experiment {name} declares no `endpoints:`; it is not a claims experiment")
     alpha, n_boot = float(ends.get("alpha", 0.05)), int(ends.get("bootstrap", 10000))
-    runs = load_runs(name, config)
+    runs = load_runs(name, design)
     zo = [ends["speed"]["reference"], *ends["speed"]["arms"]]  # the arms on the forward-pass budget
     budget = int(config["train"]["max_forward_passes"])
     every = int(config["train"]["eval_every_forwards"])
     v_a, t_a = speed(runs, ends["speed"])
     v_b, t_b = stability(runs, ends["stability"], alpha)
-    v_c, t_c = accuracy(runs, ends["accuracy"], n_boot, alpha, {arm: len(planned(config, arm)) for arm in config["arms"]})
-    seeds = config["design"]["seeds"]
+    v_c, t_c = accuracy(runs, ends["accuracy"], n_boot, alpha, {arm: len(planned(design, arm)) for arm in config["arms"]})
+    seeds = list(design.seeds)
     text = [
         f"# {name}: the pre-registered test of AdaZeta's claims",
         "",
@@ -396,7 +395,7 @@ def report(name: str, out: Path) -> Path:
         "",
         "## Arms",
         "",
-        *overview(runs, config, n_boot),
+        *overview(runs, config, design, n_boot),
         "",
         "## Equal budgets: mean dev loss / accuracy (%) at equal forward passes",
         "",

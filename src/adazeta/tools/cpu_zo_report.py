@@ -18,11 +18,10 @@ import math
 import statistics
 from pathlib import Path
 
-import yaml
 
 from adazeta import stats
-from adazeta.paths import config_dir
-from adazeta.tools.experiment import UNDECIDED, Job, chosen_lr, grid
+from adazeta.tools.experiment import UNDECIDED, Job, chosen_lr
+from adazeta.tools.experiment import load as load_experiment
 
 MISSING = "—"
 
@@ -75,11 +74,8 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.75, help="dev accuracy whose cost in forwards is reported")
     args = parser.parse_args()
     name = args.experiment
-    config = yaml.safe_load((Path(config_dir()) / "experiment" / f"{name}.yaml").read_text())
-    arms, design = config["arms"], config.get("design") or {}
-    select_seed = int(design.get("select_seed", 0))
-    seeds = [int(s) for s in design.get("seeds", [select_seed])]
-    order = [a for a in design.get("order", list(arms)) if a in arms]
+    config, design = load_experiment(name)
+    arms, select_seed, seeds, order = design.arms, design.select_seed, list(design.seeds), list(design.order)
     budget = config["train"]["max_forward_passes"]
 
     lines = [f"# {name}: SmolLM2-135M on SST-2, {budget} forward passes per ZO run", ""]
@@ -92,13 +88,13 @@ def main() -> None:
         "",
         "## Learning-rate grids (seed %d): dev accuracy (dev loss), status" % select_seed,
         "",
-        "| arm | " + " | ".join(f"lr {i + 1}" for i in range(max(len(grid(a)) for a in arms.values()))) + " | chosen |",
-        "|---|" + "---|" * (max(len(grid(a)) for a in arms.values()) + 1),
+        "| arm | " + " | ".join(f"lr {i + 1}" for i in range(max(len(a.lrs) for a in arms.values()))) + " | chosen |",
+        "|---|" + "---|" * (max(len(a.lrs) for a in arms.values()) + 1),
     ]
     chosen = {}
     for arm in order:
         cells = []
-        for lr in grid(arms[arm]):
+        for lr in arms[arm].lrs:
             rec = load(Job(arm, lr, select_seed, name, []).run_dir)
             tag = "" if lr is None else f"{lr:g}: "
             if rec is None:
@@ -106,9 +102,9 @@ def main() -> None:
             else:
                 mark = "" if rec["status"] == "finished" else f" **{rec['status']}**"
                 cells.append(f"{tag}{rec['dev_accuracy']:.3f} ({rec['dev_loss']:.3f}){mark}")
-        lr = chosen_lr(name, arm, arms[arm], select_seed)
+        lr = chosen_lr(name, arms[arm], select_seed)
         chosen[arm] = lr
-        width = max(len(grid(a)) for a in arms.values())
+        width = max(len(a.lrs) for a in arms.values())
         cells += [""] * (width - len(cells))
         pick = "not yet" if lr is UNDECIDED else ("—" if lr is None else f"{lr:g}")
         lines.append(f"| {arm} | " + " | ".join(cells) + f" | {pick} |")
@@ -152,35 +148,35 @@ def main() -> None:
             f"{start:.3f} -> {best:.3f} | {stats.t_interval(tests).show(100)} | {gain:+.1f} | "
             f"{mean_std(reach, digits=0)} ({sum(not math.isnan(x) for x in reach)}/{len(rs)}) | "
             f"{mean_std(hit, digits=0)} ({sum(not math.isnan(x) for x in hit)}/{len(rs)}) | "
-            f"{mean_std([r.get('forward_passes', 0) / max(2 * r.get('steps', 1), 1) for r in rs], digits=2) if not arms[arm].get('first_order') and lr is not None else '—'} |"
+            f"{mean_std([r.get('forward_passes', 0) / max(2 * r.get('steps', 1), 1) for r in rs], digits=2) if not arms[arm].first_order and lr is not None else '—'} |"
         )
-        if lr is not None and not arms[arm].get("first_order"):
+        if lr is not None and not arms[arm].first_order:
             verdict_gain.append((gain, arm))
             if arm.startswith("adazeta") and not math.isnan(lora_cost):
                 verdict_speed.append((arm, statistics.mean(hit) if all(not math.isnan(x) for x in hit) else math.nan,
                                       sum(not math.isnan(x) for x in hit), len(rs)))
 
     stress = []
-    for factor in design.get("stress", []):
+    for factor in design.stress:
         for arm in order:
             lr = chosen[arm]
-            if lr is UNDECIDED or lr is None or arms[arm].get("first_order"):
+            if lr is UNDECIDED or lr is None or arms[arm].first_order:
                 continue
             rec = load(Job(arm, lr * float(factor), select_seed, f"{name}_stress", []).run_dir)
             source = "stress run"
             if rec is None:  # the same lr may be a grid point: the same run (config, seed), already made
-                same = [g for g in grid(arms[arm]) if g is not None and math.isclose(g, lr * float(factor), rel_tol=1e-6)]
+                same = [g for g in arms[arm].lrs if g is not None and math.isclose(g, lr * float(factor), rel_tol=1e-6)]
                 rec = load(Job(arm, same[0], select_seed, name, []).run_dir) if same else None
                 source = "grid run"
             stress.append((arm, factor, lr * float(factor), rec, source))
-    lines += ["", f"## Stability: each ZO arm at {' and '.join(f'{f}x' for f in design.get('stress', []))} its "
+    lines += ["", f"## Stability: each ZO arm at {' and '.join(f'{f:g}x' for f in design.stress)} its "
               f"chosen lr (seed {select_seed})", "", "| arm | factor | lr | status | reason | best dev loss | from |",
               "|---|---:|---:|---|---|---:|---|"]
     for arm, factor, lr, rec, source in stress:
         if rec is None:
-            lines.append(f"| {arm} | {factor}x | {lr:g} | {MISSING} | | | |")
+            lines.append(f"| {arm} | {factor:g}x | {lr:g} | {MISSING} | | | |")
         else:
-            lines.append(f"| {arm} | {factor}x | {lr:g} | {rec['status']} | {rec.get('reason') or ''} | "
+            lines.append(f"| {arm} | {factor:g}x | {lr:g} | {rec['status']} | {rec.get('reason') or ''} | "
                          f"{rec['dev_loss']:.3f} | {source} |")
 
     lines += ["", "## The claims, as measured", ""]
@@ -240,10 +236,10 @@ def plot_grids(name, order, arms, seed, path: Path):
 
     from adazeta.plots import loss_limits, plot_clipped, save_figure
 
-    shown = [a for a in order if any(load(Job(a, lr, seed, name, []).run_dir) for lr in grid(arms[a]))]
+    shown = [a for a in order if any(load(Job(a, lr, seed, name, []).run_dir) for lr in arms[a].lrs)]
     if not shown:
         return None
-    points = {arm: [(lr, rec) for lr in grid(arms[arm])
+    points = {arm: [(lr, rec) for lr in arms[arm].lrs
                     if (rec := load(Job(arm, lr, seed, name, []).run_dir)) is not None and rec["curve"]]
               for arm in shown}
     curves = [(rec["status"] == "diverged", [c[1] for c in rec["curve"]]) for ps in points.values() for _, rec in ps]
@@ -284,7 +280,7 @@ def plot(name, order, runs, arms, zero_test, path: Path, target: float) -> None:
         rs = [r for r in runs.get(arm, []) if r["curve"] and r.get("steps")]
         if not rs:
             continue
-        label = arm + (" (x: steps, forward + backward)" if arms[arm].get("first_order") else "")
+        label = arm + (" (x: steps, forward + backward)" if arms[arm].first_order else "")
         color = colors[arm]
         for i, r in enumerate(rs):
             xs, losses, accs = zip(*r["curve"])

@@ -1,20 +1,23 @@
-"""Run an experiment made of arms: each arm's lr grid on dev, then seeds at the chosen lr, then a stress test.
+"""Run an experiment: each arm's lr grid on dev, then seeds at the chosen lr, then a stress test; at every grid point.
 
     python -m adazeta.tools.experiment cpu_zo [--phase select|seeds|stress|all] [--jobs 2] [--threads 1] [--dry]
                                         [--arms tt_q1,mezo_lora] [extra adazeta-run overrides]
 
-The experiment config (conf/experiment/NAME.yaml) lists `arms` (overrides + lr grid) and `design` (selection
-seed, seeds, stress multipliers, run order). Every run is one `adazeta-run` in its own directory,
-results/runs/NAME/ARM/lr=LR,seed=S under the current directory (the repository root through make); a directory
-that already holds a finished or diverged result is skipped, so the experiment can be interrupted and continued.
-The lr of an arm is chosen on dev accuracy (ties: dev loss) at the selection seed, never on test, and only once
-its whole grid has run. Stress runs go to NAME_stress.
+The one driver of every experiment. It reads the experiment's one schema (``arms`` and ``design``,
+``adazeta.experiments``) from its config as ``adazeta-run experiment=NAME`` composes it. Every run is one
+``adazeta-run`` in its own directory, results/runs/NAME/ARM/[POINT,]lr=LR,seed=S under the current directory (the
+repository root through make; POINT: the design grid's values, ``task=rte``); a directory that already holds a
+finished or diverged result is skipped, so the experiment can be interrupted and continued. The lr of an arm is
+chosen at each grid point on dev accuracy (ties: dev loss) at the selection seed, never on test, and only once its
+whole lr grid has run there. Stress runs go to NAME_stress. (``adazeta-run -m experiment=NAME`` is the same
+experiment's sweep at its reference settings, through Hydra's launchers.)
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -25,10 +28,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import yaml
-
-from adazeta.paths import config_dir
+from adazeta.errors import ConfigError
+from adazeta.experiments import Arm, Design, compose_experiment, design_of
 from adazeta.tools.offline import use_shared
 from adazeta.record import ENDED, main_score
 from adazeta.results import git_state
@@ -39,15 +42,16 @@ PHASES = ("select", "seeds", "stress")
 @dataclass
 class Job:
     arm: str
-    lr: float | None  # None: an arm without a learning rate (zero-shot)
+    lr: float | None  # None: the lr the config composes to, or an arm that trains nothing (zero-shot)
     seed: int
     experiment: str
     overrides: list[str]
+    point: tuple[tuple[str, Any], ...] = ()  # the design grid's values at this run: (("task", "rte"),)
 
     @property
     def run_dir(self) -> Path:
-        name = f"seed={self.seed}" if self.lr is None else f"lr={self.lr:g},seed={self.seed}"
-        return runs_dir() / self.experiment / self.arm / name
+        parts = [f"{k}={v}" for k, v in self.point] + ([] if self.lr is None else [f"lr={self.lr:g}"])
+        return runs_dir() / self.experiment / self.arm / ",".join([*parts, f"seed={self.seed}"])
 
     def done(self) -> bool:
         return status(self.run_dir) in ENDED
@@ -59,10 +63,7 @@ def runs_dir() -> Path:
 
 
 def status(run_dir: Path) -> str | None:
-    try:
-        return json.loads((run_dir / "result.json").read_text()).get("status")
-    except (OSError, ValueError):
-        return None
+    return (record(run_dir) or {}).get("status")
 
 
 def record(run_dir: Path) -> dict | None:
@@ -72,81 +73,94 @@ def record(run_dir: Path) -> dict | None:
         return None
 
 
-def grid(spec: dict) -> list[float | None]:
-    """An arm's learning rates; [None] for an arm that trains nothing."""
-    return [float(lr) for lr in spec["lr"]] if spec.get("lr") else [None]
-
-
-def runs_at(spec: dict, seed: int) -> bool:
-    """Whether an arm runs at ``seed``: every design seed unless the arm lists its own ``seeds`` (an arm that does
-    not depend on the run seed, zero-shot or a deterministic probe, runs once)."""
-    return spec.get("seeds") is None or seed in [int(s) for s in spec["seeds"]]
-
-
 UNDECIDED = object()
 
 
-def chosen_lr(name: str, arm: str, spec: dict, seed: int) -> float | None | object:
+def chosen_lr(name: str, arm: Arm, seed: int, point: tuple = ()) -> float | None | object:
     """The grid's lr with the best dev accuracy at ``seed`` (ties: lower dev loss), as ``make tables`` selects;
     UNDECIDED until every grid point has a finished or diverged result. Test is never looked at."""
+    if not arm.runs_at(seed):  # an arm that never runs at the selection seed has nothing to select
+        return arm.lrs[0] if len(arm.lrs) == 1 else UNDECIDED
     results = []
-    if not runs_at(spec, seed):  # an arm that never runs at the selection seed has nothing to select
-        return grid(spec)[0] if len(grid(spec)) == 1 else UNDECIDED
-    for lr in grid(spec):
-        rec = record(Job(arm, lr, seed, name, []).run_dir)
+    for lr in arm.lrs:
+        rec = record(Job(arm.name, lr, seed, name, [], point).run_dir)
         if rec is None or rec.get("status") not in ENDED:
             return UNDECIDED
         results.append((-main_score(rec, "dev"), rec["dev_loss"], len(results), lr))
     return min(results)[3]
 
 
-def plan(name: str, config: dict, phase: str, arms: list[str] | None) -> list[Job]:
-    design = config.get("design") or {}
-    order = design.get("order") or list(config["arms"])
-    order = [a for a in order if a in config["arms"]] + [a for a in config["arms"] if a not in order]
+def plan(name: str, design: Design, phase: str, arms: list[str] | None = None) -> list[Job]:
+    """The runs of ``phase`` (select, seeds, stress or all), in run order: grid points interleaved across arms
+    (every arm's grid fills in at the same pace), seed-major within a phase, at every point of the design grid."""
+    order = list(design.order)
     if arms:
-        unknown = sorted(set(arms) - set(config["arms"]))
+        unknown = sorted(set(arms) - set(order))
         if unknown:
-            sys.exit(f"experiment.py: error: unknown arm(s) {', '.join(unknown)}; known: {', '.join(config['arms'])}")
+            sys.exit(f"experiment.py: error: unknown arm(s) {', '.join(unknown)}; known: {', '.join(order)}")
         order = [a for a in order if a in arms]
-    select_seed = int(design.get("select_seed", 0))
+    jobs: list[Job] = []
+    for point in [tuple(p.items()) for p in design.points()]:
+        jobs += _plan_point(name, design, phase, order, point)
+    return jobs
+
+
+def _plan_point(name: str, design: Design, phase: str, order: list[str], point: tuple) -> list[Job]:
+    arms, select_seed = design.arms, design.select_seed
+
+    def job(arm: Arm, lr: float | None, seed: int, experiment: str = name) -> Job:
+        return Job(arm.name, lr, seed, experiment, list(arm.overrides), point)
+
     jobs: list[Job] = []
     if phase in ("select", "all"):
-        # grid points interleaved across arms, so that every arm's grid fills in at the same pace
-        grids = {a: grid(config["arms"][a]) for a in order}
-        for i in range(max(len(g) for g in grids.values())):
-            for a in order:
-                if i < len(grids[a]) and runs_at(config["arms"][a], select_seed):
-                    jobs.append(Job(a, grids[a][i], select_seed, name, config["arms"][a]["overrides"]))
-    chosen: dict[str, float] = {}
+        for i in range(max(len(arms[a].lrs) for a in order)):
+            jobs += [job(arms[a], arms[a].lrs[i], select_seed) for a in order
+                     if i < len(arms[a].lrs) and arms[a].runs_at(select_seed)]
+    chosen: dict[str, float | None] = {}
     if phase in ("seeds", "stress", "all"):
         for a in order:
-            lr = chosen_lr(name, a, config["arms"][a], select_seed)
+            lr = chosen_lr(name, arms[a], select_seed, point)
             if lr is UNDECIDED:
-                print(f"# {phase}: {a}: no lr chosen yet (its grid has not finished, or every run diverged)", flush=True)
+                where = ",".join(f"{k}={v}" for k, v in point)
+                print(f"# {phase}: {a}{' at ' + where if where else ''}: no lr chosen yet (its grid has not finished, "
+                      "or every run diverged)", flush=True)
             else:
-                chosen[a] = lr
+                chosen[a] = lr  # type: ignore[assignment]
     if phase in ("seeds", "all"):
-        for seed in design.get("seeds", [select_seed]):
-            jobs += [Job(a, lr, int(seed), name, config["arms"][a]["overrides"])
-                     for a, lr in chosen.items() if int(seed) != select_seed and runs_at(config["arms"][a], int(seed))]
+        for seed in design.seeds:
+            jobs += [job(arms[a], lr, seed) for a, lr in chosen.items()
+                     if seed != select_seed and arms[a].runs_at(seed)]
     if phase in ("stress", "all"):
-        for factor in design.get("stress", []):
+        for factor in design.stress:
             for a, lr in chosen.items():
-                if lr is None or config["arms"][a].get("first_order"):
+                if lr is None or arms[a].first_order:
                     continue
-                if any(g is not None and math.isclose(g, lr * float(factor), rel_tol=1e-6) for g in grid(config["arms"][a])):
+                if any(g is not None and math.isclose(g, lr * factor, rel_tol=1e-6) for g in arms[a].lrs):
                     continue  # that lr is a grid point: its seed-0 run is this stress run already
-                jobs.append(Job(a, lr * float(factor), select_seed, f"{name}_stress", config["arms"][a]["overrides"]))
+                jobs.append(job(arms[a], lr * factor, select_seed, f"{name}_stress"))
     return jobs
 
 
 def command(name: str, job: Job, extra: list[str]) -> list[str]:
     lr = [] if job.lr is None else [f"method.optimizer.lr={job.lr:g}"]
+    point = [f"{k}={v}" for k, v in job.point]
     return [
-        sys.executable, "-m", "adazeta.cli", f"experiment={name}", *job.overrides, f"method.name={job.arm}", *lr,
-        f"seed={job.seed}", f"experiment_name={job.experiment}", f"hydra.run.dir='{job.run_dir}'", *extra,
+        sys.executable, "-m", "adazeta.cli", f"experiment={name}", *job.overrides, *point, f"method.name={job.arm}",
+        *lr, f"seed={job.seed}", f"experiment_name={job.experiment}", f"hydra.run.dir='{job.run_dir}'", *extra,
     ]
+
+
+def load(name: str) -> tuple[dict[str, Any], Design]:
+    """The experiment's composed config and its design; exits with one line when it has none or a bad one."""
+    try:
+        config = compose_experiment(name)
+        design = design_of(config, name)
+    except ConfigError as err:
+        sys.exit(f"experiment.py: error: {err}")
+    if design is None:
+        sys.exit(f"experiment.py: error: experiment {name} has no `arms:` block; run it with adazeta-run -m "
+                 f"experiment={name}")
+    return config, design
 
 
 LAUNCH_COLUMNS = ["time", "arm", "lr", "seed", "run_dir", "commit", "dirty", "allow_dirty", "command"]
@@ -177,14 +191,9 @@ def main() -> None:
     parser.add_argument("--allow-dirty", action="store_true",
                         help="start runs although the source tree has uncommitted changes (recorded in launches.csv)")
     args, extra = parser.parse_known_args()
-    path = Path(config_dir()) / "experiment" / f"{args.experiment}.yaml"
-    if not path.is_file():
-        sys.exit(f"experiment.py: error: no experiment config {path}")
-    config = yaml.safe_load(path.read_text()) or {}
+    _, design = load(args.experiment)
     if args.factors:
-        config.setdefault("design", {})["stress"] = args.factors
-    if not config.get("arms"):
-        sys.exit(f"experiment.py: error: {path} has no `arms:` block; run it with adazeta-run -m experiment=...")
+        design = dataclasses.replace(design, stress=tuple(args.factors))
 
     code = git_state()
     if code["dirty"] and not args.dry and not args.allow_dirty:
@@ -194,7 +203,7 @@ def main() -> None:
     phases = PHASES if args.phase == "all" else (args.phase,)
     failed = 0
     for phase in phases:  # a later phase reads the choices the earlier ones made
-        jobs = plan(args.experiment, config, phase, args.arms)
+        jobs = plan(args.experiment, design, phase, args.arms)
         todo = [j for j in jobs if not j.done()]
         print(f"# {phase}: {len(jobs)} runs, {len(jobs) - len(todo)} already done", flush=True)
 
@@ -208,7 +217,8 @@ def main() -> None:
             start = time.time()
             with open(job.run_dir / "stdout.log", "w") as log:
                 rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-            print(f"# {job.arm} lr={job.lr} seed={job.seed}: {status(job.run_dir)} (exit {rc}, "
+            where = "".join(f" {k}={v}" for k, v in job.point)
+            print(f"# {job.arm}{where} lr={job.lr} seed={job.seed}: {status(job.run_dir)} (exit {rc}, "
                   f"{time.time() - start:.0f} s)", flush=True)
             return rc
 

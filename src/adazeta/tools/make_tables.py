@@ -14,24 +14,24 @@ import argparse
 import sys
 from pathlib import Path
 
-import yaml
-
 from adazeta.paths import config_dir
 from adazeta.errors import ConfigError
+from adazeta.experiments import compose_experiment, design_of
 from adazeta.tables import build_table, load_paper_numbers, load_results, select_on_dev, to_latex, to_markdown
 
 
 def experiment_axes(name: str) -> tuple[list[str] | None, list[str] | None]:
-    """Methods and tasks an experiment compares, read from its sweep in conf/experiment/<name>.yaml."""
-    path = Path(config_dir()) / "experiment" / f"{name}.yaml"
-    if not path.is_file():
+    """Methods and tasks an experiment compares, from its one schema (adazeta.experiments): the methods of its Hydra
+    sweep (arms that are a method alone, in their order) and its grid's tasks; None where the experiment has no
+    config here or no such axis (an experiment of composite arms: every method its results hold)."""
+    if not (Path(config_dir()) / "experiment" / f"{name}.yaml").is_file():
         return None, None
-    params = ((yaml.safe_load(path.read_text()) or {}).get("hydra") or {}).get("sweeper", {}).get("params", {})
-
-    def split(value: object) -> list[str] | None:
-        return [v.strip() for v in str(value).split(",")] if value else None
-
-    return split(params.get("method")), split(params.get("task"))
+    design = design_of(compose_experiment(name), name)
+    if design is None:
+        return None, None
+    tasks = design.grid.get("task")
+    methods = [arm.method for arm in design.arms.values()]
+    return (None if None in methods else methods), ([str(t) for t in tasks] if tasks else None)
 
 
 def main() -> None:

@@ -17,14 +17,13 @@ import math
 from pathlib import Path
 
 import numpy as np
-import yaml
 
-from adazeta import stats
 from adazeta.tools.claims_report import (
     MISSING, Run, compare, equal_budget, figure, first_at_or_below, fmt, fmt_p, load_run, overview,
 )
-from adazeta.tools.experiment import UNDECIDED, Job, chosen_lr, grid, runs_at
-from adazeta.paths import config_dir
+from adazeta.experiments import Design
+from adazeta.tools.experiment import UNDECIDED, Job, chosen_lr
+from adazeta.tools.experiment import load as load_experiment
 
 
 def holm(pvalues: list[float]) -> list[float]:
@@ -37,16 +36,16 @@ def holm(pvalues: list[float]) -> list[float]:
     return adjusted
 
 
-def load(name: str, config: dict) -> tuple[dict[str, float | None], dict[str, dict[int, Run]], list[str]]:
+def load(name: str, design: Design) -> tuple[dict[str, float | None], dict[str, dict[int, Run]], list[str]]:
     """(each arm's chosen lr or None, its runs at that lr by seed, the grid table's lines)."""
-    select = int(config["design"]["select_seed"])
+    select = design.select_seed
     chosen: dict[str, float | None] = {}
     runs: dict[str, dict[int, Run]] = {}
     lines = ["| arm | lr | status | dev accuracy | best dev loss | chosen |", "|---|---:|---|---:|---:|---|"]
-    for arm, spec in config["arms"].items():
-        lr = chosen_lr(name, arm, spec, select)
+    for arm, spec in design.arms.items():
+        lr = chosen_lr(name, spec, select)
         chosen[arm] = None if lr is UNDECIDED else lr
-        for point in grid(spec):
+        for point in spec.lrs:
             run = load_run(arm, select, Job(arm, point, select, name, []).run_dir)
             if run is None:
                 lines.append(f"| {arm} | {point:g} | {MISSING} | | | |")
@@ -56,11 +55,11 @@ def load(name: str, config: dict) -> tuple[dict[str, float | None], dict[str, di
         runs[arm] = {}
         if chosen[arm] is None:
             continue
-        for seed in config["design"]["seeds"]:
-            if runs_at(spec, int(seed)):
-                run = load_run(arm, int(seed), Job(arm, chosen[arm], int(seed), name, []).run_dir)
+        for seed in design.seeds:
+            if spec.runs_at(seed):
+                run = load_run(arm, seed, Job(arm, chosen[arm], seed, name, []).run_dir)
                 if run is not None:
-                    runs[arm][int(seed)] = run
+                    runs[arm][seed] = run
     return chosen, runs, lines
 
 
@@ -159,14 +158,14 @@ def accuracy(runs: dict[str, dict[int, Run]], references: dict[str, str], cfg: d
 
 
 def report(name: str, out: Path) -> Path:
-    config = yaml.safe_load((Path(config_dir()) / "experiment" / f"{name}.yaml").read_text())
+    config, design = load_experiment(name)
     ends = config.get("endpoints") or {}
     if "share" not in ends:
         raise SystemExit(f"optimizers_report: experiment {name} declares no `endpoints.share`; not an optimizer "
                          "comparison")
     n_boot = int(ends.get("bootstrap", 10000))
     references = ends["share"]["references"]
-    chosen, runs, grid_lines = load(name, config)
+    chosen, runs, grid_lines = load(name, design)
     budget, every = int(config["train"]["max_forward_passes"]), int(config["train"]["eval_every_forwards"])
     decided = [a for a in config["arms"] if chosen[a] is not None]
     text = [
@@ -185,7 +184,8 @@ def report(name: str, out: Path) -> Path:
         "",
         "## Arms at their chosen lr",
         "",
-        *overview({a: runs[a] for a in decided}, {**config, "arms": {a: config["arms"][a] for a in decided}}, n_boot),
+        *overview({a: runs[a] for a in decided}, {**config, "arms": {a: config["arms"][a] for a in decided}}, design,
+                  n_boot),
         "",
         "## (a) Forwards to reach ZO-SGD's final dev loss, as a share of ZO-SGD's (per seed, same dev set)",
         "",

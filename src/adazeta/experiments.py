@@ -1,0 +1,178 @@
+"""An experiment's one schema: its arms, the grid every arm runs over, its seeds and where each arm's lr is chosen.
+
+``conf/experiment/NAME.yaml`` declares, besides the settings it fixes::
+
+    arms:                                   # arm -> what it runs
+      mezo_lora:
+        overrides: [method=mezo_lora]       # adazeta-run overrides: the method, and whatever else the arm changes
+        lr: [1.0e-3, 1.0e-4]                # its learning-rate grid, chosen on dev at the selection seed
+                                            # (absent: one run at the lr the config composes to)
+        seeds: [0]                          # absent: every design seed (give it for an arm the seed does not change)
+        first_order: true                   # left out of the stress phase
+    design:
+      grid: {task: [sst2, rte]}             # axes every arm runs over (absent: the config's task, one point)
+      seeds: [0, 1, 2]                      # absent: the config's seed
+      select_seed: 0                        # the seed whose runs choose each arm's lr (absent: the first seed)
+      stress: [2, 4]                        # lr multipliers of the stress phase
+      order: [mezo_lora, ...]               # run order (arms not named run after)
+      arms: [adazeta]                       # the arms that run (absent: all): an experiment that inherits
+                                            # another narrows its arms here
+
+Two readers, one schema. ``python -m adazeta.tools.experiment NAME`` plans every run from it (each arm's lr grid on
+dev, then seeds, then stress). ``adazeta-run -m experiment=NAME`` sweeps the arms over the grid and seeds at the
+settings the config composes to, through any Hydra launcher: the experiment's ``hydra.sweeper.params`` is
+``${experiment_sweep:}``, which this module resolves from ``arms`` and ``design`` (method innermost, so that an
+interrupted sweep has every method at each point it reached). An arm that changes more than its method has no
+such sweep; its experiment runs through the driver only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from adazeta.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    overrides: tuple[str, ...]
+    lrs: tuple[float | None, ...] = (None,)  # (None,): one run at the composed lr (or an arm that trains nothing)
+    seeds: tuple[int, ...] | None = None  # None: every design seed
+    first_order: bool = False
+
+    def runs_at(self, seed: int) -> bool:
+        return self.seeds is None or seed in self.seeds
+
+    @property
+    def method(self) -> str | None:
+        """The method, when the arm's overrides are that alone (what a Hydra sweep over methods can express)."""
+        if len(self.overrides) == 1 and self.overrides[0].startswith("method="):
+            return self.overrides[0].split("=", 1)[1]
+        return None
+
+
+@dataclass(frozen=True)
+class Design:
+    arms: dict[str, Arm]  # the arms that run, as declared
+    order: tuple[str, ...] = ()  # the same arms in run order
+    grid: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    seeds: tuple[int, ...] = (0,)  # declared, else the config's seed
+    select_seed: int = 0  # declared, else the first seed
+    seeds_declared: bool = False  # a Hydra sweep sweeps the seed only when the design names its seeds
+    stress: tuple[float, ...] = ()
+
+    def points(self) -> list[dict[str, Any]]:
+        """Every point of the grid (``{}`` alone without one), the first axis outermost."""
+        out: list[dict[str, Any]] = [{}]
+        for key, values in self.grid.items():
+            out = [{**p, key: v} for p in out for v in values]
+        return out
+
+
+KEYS = {"arms", "grid", "seeds", "select_seed", "stress", "order"}
+ARM_KEYS = {"overrides", "lr", "seeds", "first_order"}
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def _numbers(value: Any, where: str, kind: type) -> tuple:
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where} must be a non-empty list, not {value!r}")
+    try:
+        return tuple(kind(v) for v in value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where} must list {kind.__name__}s, not {value!r}") from None
+
+
+def _arm(name: str, spec: Any, where: str) -> Arm:
+    where = f"{where}.{name}"
+    if not isinstance(spec, dict) or not isinstance(spec.get("overrides"), list):
+        raise ConfigError(f"{where} needs `overrides:`, a list of adazeta-run overrides (e.g. [method=mezo])")
+    unknown = sorted(set(spec) - ARM_KEYS)
+    if unknown:
+        raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}; an arm has {', '.join(sorted(ARM_KEYS))}")
+    lrs = _numbers(spec["lr"], f"{where}.lr", float) if spec.get("lr") is not None else (None,)
+    seeds = _numbers(spec["seeds"], f"{where}.seeds", int) if spec.get("seeds") is not None else None
+    return Arm(name, tuple(str(o) for o in spec["overrides"]), lrs, seeds, bool(spec.get("first_order", False)))
+
+
+def design_of(cfg: DictConfig | dict, name: str = "the experiment") -> Design | None:
+    """The experiment's design from its config, composed or a plain dict (None when it declares no ``arms``);
+    one-line errors."""
+    arms_spec, design = _plain(cfg.get("arms")), _plain(cfg.get("design")) or {}
+    if not arms_spec:
+        return None
+    where = f"experiment {name}"
+    if not isinstance(arms_spec, dict) or not isinstance(design, dict):
+        raise ConfigError(f"{where}: `arms:` and `design:` must be mappings")
+    unknown = sorted(set(design) - KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: design has unknown key(s) {', '.join(unknown)}; it has {', '.join(sorted(KEYS))}")
+    arms = {a: _arm(a, s, "arms") for a, s in arms_spec.items()}
+    chosen = [str(a) for a in design.get("arms") or arms]
+    missing = sorted(set(chosen) - set(arms))
+    if missing:
+        raise ConfigError(f"{where}: design.arms names {', '.join(missing)}, which arms does not declare")
+    order = [a for a in design.get("order") or [] if a in chosen]
+    order += [a for a in chosen if a not in order]
+    grid = design.get("grid") or {}
+    if not isinstance(grid, dict):
+        raise ConfigError(f"{where}: design.grid must map an override key to its values, e.g. {{task: [sst2, rte]}}")
+    declared = design.get("seeds") is not None
+    # the config's seed (a config still being merged may not have it yet: only a declared seed is swept then)
+    seeds = _numbers(design["seeds"], "design.seeds", int) if declared else (int(cfg.get("seed") or 0),)
+    return Design(
+        arms={a: arms[a] for a in arms if a in chosen},
+        order=tuple(order),
+        grid={str(k): tuple(v if isinstance(v, list) else [v]) for k, v in grid.items()},
+        seeds=seeds,
+        select_seed=int(design["select_seed"]) if design.get("select_seed") is not None else seeds[0],
+        stress=tuple(float(f) for f in design.get("stress") or ()),
+        seeds_declared=declared,
+    )
+
+
+def sweep_params(root: DictConfig) -> dict[str, str]:
+    """``hydra.sweeper.params`` for ``adazeta-run -m experiment=NAME``: the grid's axes, the seeds, the methods.
+
+    Hydra also resolves it while it merges the config files, on a config still partial: nothing here may need a
+    key that only another file sets."""
+    design = design_of(root, str(root.get("experiment_name")))
+    if design is None:
+        return {}
+    methods = [arm.method for arm in design.arms.values()]
+    if None in methods:
+        arm = next(a for a in design.arms.values() if a.method is None)
+        raise ConfigError(f"experiment {root.get('experiment_name')}: arm {arm.name!r} changes more than its method "
+                          f"({' '.join(arm.overrides)}), which a Hydra sweep cannot express; run the experiment with "
+                          f"python -m adazeta.tools.experiment {root.get('experiment_name')}")
+    params = {key: ",".join(str(v) for v in values) for key, values in design.grid.items()}
+    if design.seeds_declared:  # swept, even a single seed
+        params["seed"] = ",".join(str(s) for s in design.seeds)
+    params["method"] = ",".join(dict.fromkeys(methods))
+    return params
+
+
+
+
+def compose_experiment(name: str) -> dict[str, Any]:
+    """``conf/experiment/NAME.yaml`` composed as ``adazeta-run experiment=NAME`` composes it (its defaults, the
+    experiments it inherits), as a plain dict: the one way the drivers and reports read an experiment."""
+    from hydra import compose, initialize_config_dir
+
+    from adazeta.paths import config_dir
+
+    path = Path(config_dir()) / "experiment" / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in path.parent.glob("*.yaml")))
+        raise ConfigError(f"no experiment config {path}; known experiments: {known}")
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"experiment={name}"])
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
