@@ -31,15 +31,17 @@ from adazeta.icl import add_demonstrations_, add_per_example_demonstrations_, wi
 from adazeta.models import (
     LoadedModel,
     count_parameters,
+    device_map_of,
     enable_gradient_checkpointing_,
     load_model,
     resolve_device,
     resolve_source,
 )
-from adazeta.optim import OPTIMIZERS, check_contract
+from adazeta.optim import OPTIMIZERS, check_contract, zeroth_order
+from adazeta.optim.batched import replica_sites
 from adazeta.paths import config_dir
-from adazeta.schedules import SCHEDULES, Schedule, budget_steps
-from adazeta.scoring import Encoded, Scorer, encode
+from adazeta.schedules import SCHEDULES, Schedule, budget_steps, mean_queries
+from adazeta.scoring import Encoded, Scorer, encode, packing_supported
 from adazeta.settings import Settings, parse, unused_keys
 from adazeta.tasks.loaders import TaskData, check_data, load_task, split_rows, validate_local_rows
 from adazeta.tasks.spec import render
@@ -155,6 +157,31 @@ class Built:
     def tokenizer(self) -> Any:
         return self.loaded.tokenizer
 
+    def record_fields(self, s: Settings, d: distributed.Dist = distributed.SINGLE) -> dict[str, Any]:
+        """What was built, as the run record's fields (``adazeta.record.RunRecord``): sizes, sources, truncation, the
+        scoring layout, the ZO estimator and mean Q, the processes and devices."""
+        zo = zeroth_order(self.optimizer)
+        fields: dict[str, Any] = {
+            "total_params": self.total_params,
+            "trainable_params": self.trainable_params,
+            "num_train": len(self.data.train), "num_dev": len(self.data.dev), "num_eval": len(self.data.eval),
+            "data_source": self.data.source,
+            "model_source": dataclasses.asdict(self.loaded.source),
+            "truncated": {split: sum(e.truncated for e in items) for split, items in self.enc.items()},
+            "scoring_layout": "packed" if self.family == "causal" and packing_supported(self.model) else "rows",
+            **distributed.describe(d, s.distributed.mode, zo),  # world_size, parallel, backend
+        }
+        if self.demonstrations is not None:
+            fields["demonstrations"] = self.demonstrations
+        if self.schedule_epochs is not None:
+            fields["schedule_epochs"] = self.schedule_epochs
+        if zo:
+            fields["mean_queries"] = mean_queries(self.schedule, self.length.steps_per_epoch, self.length.planned_steps)
+            fields["zo"] = {k: getattr(self.optimizer, k, None) for k in ("estimator", "batched_queries", "query_chunk")}
+        if s.model.device_map:  # which devices accelerate spread the model over
+            fields["devices"] = sorted(set(device_map_of(self.loaded.model).values())) or [str(self.device)]
+        return fields
+
 
 
 def build(s: Settings, loaded: LoadedModel | None = None, data: TaskData | None = None) -> Built:
@@ -195,11 +222,17 @@ def build(s: Settings, loaded: LoadedModel | None = None, data: TaskData | None 
     elif s.demonstrations is not None:  # ICL: the mean number of demonstrations that fit a test prompt
         demonstrations = add_demonstrations_(data, s.demonstrations, tok, family, s.model.max_length, s.seed)
     enc = {split: encode(getattr(data, split), tok, family, s.model.max_length) for split in ("train", "dev", "eval")}
+    for split, items in enc.items():  # cut by encode(), never refused
+        if n := sum(e.truncated for e in items):
+            log.warning("%s: %d of %d examples were truncated to fit model.max_length=%d (or the task's "
+                        "reference limits)", split, n, len(items), s.model.max_length)
     objective = build_objective(s.task, data, enc, tok, s.model.max_length, s.train.eval_batch_size)
     objective = dataclasses.replace(objective, token_weighted=s.train.lm_reduction == "token")
     scorer = Scorer.of(model, tok, family, loaded.device, objective)  # one scorer, the task's objective in it
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = build_optimizer(s, named)
+    if zeroth_order(optimizer) and s.optimizer.config.batches_queries:  # every trainable parameter must sit in a
+        replica_sites(model, [p for _, p in named])                     # module that runs replicas
     length = run_length(s, len(data.train))
     schedule = SCHEDULES.get(s.schedule.kind).builder(s.schedule.config, length.schedule_epochs)
     log.info("task %s: %d train / %d dev / %d test examples from %s", s.task.name, len(data.train),

@@ -1,6 +1,7 @@
 """A run's record (``result.json``), typed: what ran, what it used, what it measured, in the order it is written.
 
-``execute`` fills one ``RunRecord`` as the run goes; ``as_dict`` is what ``result.json`` holds. A field left at
+``execute`` fills one ``RunRecord`` as the run goes, from what was built (``adazeta.build.Built.record_fields``) and
+what happened (``adazeta.train.Outcome.record_fields``); ``as_dict`` is what ``result.json`` holds. A field left at
 ``UNSET`` is not written: an interrupted run has no test fields, a run without demonstrations no
 ``demonstrations``, a run that failed while loading only the fields it had reached. ``None`` is written as
 ``null`` (a run without a dev set has a null ``dev_loss``).
@@ -83,6 +84,15 @@ class RunRecord:
     git: dict[str, Any] = UNSET
     packages: dict[str, str] = UNSET
     config: dict[str, Any] = UNSET
+
+    def update(self, **fields: Any) -> None:
+        """Set ``fields`` (``Built.record_fields``: what was built; ``Outcome.record_fields``: what happened); a name
+        the record has no field for is an error, not a key that silently never reaches result.json."""
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise AttributeError(f"RunRecord has no field {', '.join(unknown)}")
+        for name, value in fields.items():
+            setattr(self, name, value)
 
     def as_dict(self) -> dict[str, Any]:
         """``result.json``'s contents: the fields that were set, metric dicts spread into their own keys."""

@@ -10,7 +10,6 @@ checked, so that a user's mistake costs one line and no model load.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -25,18 +24,11 @@ from adazeta.calibration import calibrate
 from adazeta.distributed import Dist, Spread
 from adazeta.dryrun import dry_run
 from adazeta.errors import ConfigError, PeerError
-from adazeta.models import (
-    device_map_of,
-)
-from adazeta.optim import zeroth_order
 from adazeta.probe import linear_probe
 from adazeta.record import ENDED, RunRecord, resume_hint
 from adazeta.results import device_info, git_state, package_versions, read_record, write_result
 from adazeta.rundir import Interrupted, StopSignals, atomic_write_text, claim, config_differences, forget_signals
 from adazeta.saving import model_card, save_adapters
-from adazeta.optim.batched import replica_sites
-from adazeta.schedules import mean_queries
-from adazeta.scoring import packing_supported
 from adazeta.build import build, preflight, seed_everything
 from adazeta.settings import Settings, parse
 from adazeta.tasks.loaders import TaskData
@@ -338,54 +330,36 @@ def save_trained(run_dir: Path, model: Any, s: Settings, record: RunRecord, outc
         save_adapters(model, run_dir / "adapter_last", kind, config, base, card, state=outcome.last_state)
 
 
+def open_tracker(s: Settings, run_dir: Path, resume: dict[str, Any] | None, d: Dist) -> Tracker:
+    """Rank 0's CSV files and wandb run (continued when the run resumes), tagged for grouping; a silent one elsewhere."""
+    tags = [f"method:{s.method}", f"task:{s.task.name}", f"model:{s.model.name}"]
+    if s.experiment:
+        tags.append(f"experiment:{s.experiment}")
+    if not d.is_main:
+        return SilentTracker(resume=resume["tracker"] if resume else None)
+    return Tracker(run_dir, s.wandb, f"{s.method}-{s.task.name}-s{s.seed}", s.raw, tags,
+                   resume=resume["tracker"] if resume else None, metric=s.task.metric)
+
+
 def _execute(
     s: Settings, run_dir: Path, resume: dict[str, Any] | None, record: RunRecord, signals: StopSignals,
     saved: list[int | None], d: Dist = distributed.SINGLE, observers: Sequence[Observer] = (),
 ) -> Tracker:
-    """The body of ``execute``: fills ``record`` as it goes; returns the tracker it opened. ``saved[0]``: the
-    step of each checkpoint written."""
+    """The body of ``execute``: builds, trains and tests; ``record`` fills from what was built
+    (``Built.record_fields``) and what happened (``Outcome.record_fields``). Returns the tracker it opened.
+    ``saved[0]``: the step of each checkpoint written."""
     b = build(s)
     reset_peak_memory(b.device)
-    model, family, data, enc, named = b.model, b.family, b.data, b.enc, b.named
-    optimizer, schedule, device = b.optimizer, b.schedule, b.device
-    if b.demonstrations is not None:
-        record.demonstrations = b.demonstrations
-    scorer, calibration = calibrate(b.scorer, s.calibration, b.content_free, enc["dev"], s.train.eval_batch_size)
+    record.update(**b.record_fields(s, d))
+    scorer, calibration = calibrate(b.scorer, s.calibration, b.content_free, b.enc["dev"], s.train.eval_batch_size)
     if calibration is not None:
         record.calibration = calibration
         log.info("calibration %s: bias per candidate %s", s.calibration, [round(v, 4) for v in calibration["bias"]])
-
-    record.total_params, record.trainable_params = b.total_params, b.trainable_params
-    record.num_train, record.num_dev, record.num_eval = len(data.train), len(data.dev), len(data.eval)
-    record.data_source, record.model_source = data.source, dataclasses.asdict(b.loaded.source)
-    record.truncated = {split: sum(e.truncated for e in items) for split, items in enc.items()}
-    for split, n in record.truncated.items():  # cut by encode(), never refused
-        if n:
-            log.warning("%s: %d of %d examples were truncated to fit model.max_length=%d (or the task's "
-                        "reference limits)", split, n, len(enc[split]), s.model.max_length)
-    if b.schedule_epochs is not None:
-        record.schedule_epochs = b.schedule_epochs
-    if zeroth_order(optimizer):
-        record.mean_queries = mean_queries(schedule, b.length.steps_per_epoch, b.length.planned_steps)
-        record.zo = {k: getattr(optimizer, k, None) for k in ("estimator", "batched_queries", "query_chunk")}
-        if s.optimizer.config.batches_queries:  # every trainable parameter must sit in a module that runs replicas
-            replica_sites(model, [p for _, p in named])
-    record.scoring_layout = "packed" if family == "causal" and packing_supported(model) else "rows"
-    for key, value in distributed.describe(d, s.distributed.mode, zeroth_order(optimizer)).items():
-        setattr(record, key, value)  # world_size, parallel, backend
-    if s.model.device_map:  # which devices accelerate spread the model over
-        record.devices = sorted(set(device_map_of(b.loaded.model).values())) or [str(device)]
-    if d.enabled and optimizer is None:
+    if d.enabled and b.optimizer is None:
         log.warning("method %r trains nothing: every one of the %d processes evaluates the same examples",
                     s.method, d.world_size)
-    tags = [f"method:{s.method}", f"task:{s.task.name}", f"model:{s.model.name}"]
-    if s.experiment:
-        tags.append(f"experiment:{s.experiment}")
-    if d.is_main:
-        tracker = Tracker(run_dir, s.wandb, f"{s.method}-{s.task.name}-s{s.seed}", s.raw, tags,
-                          resume=resume["tracker"] if resume else None, metric=s.task.metric)
-    else:
-        tracker = SilentTracker(resume=resume["tracker"] if resume else None)
+    tracker = open_tracker(s, run_dir, resume, d)
+
     def save(state: dict[str, Any]) -> None:
         """The checkpoint, written whole: a signal meanwhile waits for it (the one a first signal asked for)."""
         phase, where = signals.phase, signals.where
@@ -400,36 +374,26 @@ def _execute(
     try:
         if s.probe is not None:
             signals.at("setup", "the linear probe's fit and evaluation")
-            outcome, record.probe = linear_probe(scorer, enc, s.probe, s.train.eval_batch_size, tracker, s.seed)
+            outcome, record.probe = linear_probe(scorer, b.enc, s.probe, s.train.eval_batch_size, tracker, s.seed)
         else:
             checkpoints = Checkpoints(save=save, resume=resume["loop"] if resume else None, stop=signals,
                                       at=signals.at)
-            splits = Splits(enc["train"], scorer.batches(enc["dev"], s.train.eval_batch_size, sort=True),
-                            scorer.batches(enc["eval"], s.train.eval_batch_size, sort=True))
+            splits = Splits(b.enc["train"], scorer.batches(b.enc["dev"], s.train.eval_batch_size, sort=True),
+                            scorer.batches(b.enc["eval"], s.train.eval_batch_size, sort=True))
             spread = Spread(d.rank, d.world_size, s.distributed.mode) if d.enabled else None
-            loop = Loop(tracker, DivergenceMonitor(s.divergence), s.seed, schedule, b.length, checkpoints, spread,
+            loop = Loop(tracker, DivergenceMonitor(s.divergence), s.seed, b.schedule, b.length, checkpoints, spread,
                         guard=s.guard, observers=observers)
-            outcome = train(scorer, optimizer, splits, s.train, loop)
+            outcome = train(scorer, b.optimizer, splits, s.train, loop)
         signals.at("save", "the run's record")
     except BaseException:
         tracker.close(failed=True)
         raise
-    record.metric, record.status, record.reason = s.task.metric, outcome.status, outcome.reason
-    record.steps, record.best_step, record.forward_passes = outcome.steps, outcome.best_step, outcome.forward_passes
-    if outcome.best_dev.n:
-        record.initial_dev_loss, record.initial_dev_score = outcome.initial_dev.loss, outcome.initial_dev.score
-        record.dev_loss, record.dev_score = outcome.best_dev.loss, outcome.best_dev.score
-    else:  # no dev set (training-free, without a train split): null, not NaN
-        record.initial_dev_loss = record.initial_dev_score = record.dev_loss = record.dev_score = None
-    record.device, record.peak_mem_mb = device_info(device), round(peak_memory_mb(device), 1)
-    record.dev_metrics = dict(outcome.best_dev.metrics)  # f1, em
-    if outcome.status == "interrupted":  # at a step boundary, checkpointed
-        record.signal = outcome.signal
+    record.update(metric=s.task.metric, device=device_info(b.device), peak_mem_mb=round(peak_memory_mb(b.device), 1),
+                  **outcome.record_fields())
+    if outcome.status == "interrupted":
         return tracker
-    record.test_loss, record.test_score = outcome.test.loss, outcome.test.score
-    record.test_metrics = dict(outcome.test.metrics)
     if d.is_main:
-        save_predictions(run_dir, outcome, data)
-        save_trained(run_dir, model, s, record, outcome)
+        save_predictions(run_dir, outcome, b.data)
+        save_trained(run_dir, b.model, s, record, outcome)
     log.info(summary_line(outcome, s.task.metric, s.train.select_on, run_dir))
     return tracker

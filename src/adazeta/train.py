@@ -113,6 +113,23 @@ class Outcome:
     signal: str | None = None  # interrupted: the stop signal (the lowest rank's, when several processes got one)
     last_state: dict[str, torch.Tensor] | None = None  # train.save=last|both: the trainable state at the end
 
+    def record_fields(self) -> dict[str, Any]:
+        """What happened, as the run record's fields (``adazeta.record.RunRecord``): how it ended, the kept state's
+        dev result and, unless it was interrupted (it resumes instead of being tested), its test result."""
+        fields: dict[str, Any] = {"status": self.status, "reason": self.reason, "steps": self.steps,
+                                  "best_step": self.best_step, "forward_passes": self.forward_passes,
+                                  "dev_metrics": dict(self.best_dev.metrics)}  # f1, em
+        if self.best_dev.n:
+            fields.update(initial_dev_loss=self.initial_dev.loss, initial_dev_score=self.initial_dev.score,
+                          dev_loss=self.best_dev.loss, dev_score=self.best_dev.score)
+        else:  # no dev set (training-free, without a train split): null, not NaN
+            fields.update(initial_dev_loss=None, initial_dev_score=None, dev_loss=None, dev_score=None)
+        if self.status == "interrupted":  # at a step boundary, checkpointed
+            fields["signal"] = self.signal
+        else:
+            fields.update(test_loss=self.test.loss, test_score=self.test.score, test_metrics=dict(self.test.metrics))
+        return fields
+
 
 class Checkpoints:
     """Where the loop saves its state and how to ask whether it should stop (both optional for ``train``).
