@@ -40,17 +40,16 @@ def test_prior_bias_meets_the_optimality_condition_of_a_bias_only_logistic_fit()
     assert float(bias[0] - bias[2]) < -1.5  # it undoes most of the built-in preference for candidate 0 over 2
 
 
-def load_spec(name: str):
-    return parse(compose_cfg(["model=tiny-llama", f"task={name}"])).task
+def load_task(name: str):
+    return parse(compose_cfg(["model=tiny-llama", f"task={name}"])).bound_task()
 
 
 def test_content_free_prompts_fill_every_input_field():
-    spec = load_spec("rte")
-    examples = content_free_examples(spec, "causal")
+    examples = content_free_examples(load_task("rte"))
     assert len(examples) == len(CONTENT_FREE)
     assert "N/A" in examples[0].prompt and examples[0].candidates == examples[1].candidates
     with pytest.raises(ConfigError, match="fixed candidate set"):
-        content_free_examples(load_spec("copa"), "causal")
+        content_free_examples(load_task("copa"))
 
 
 def read(path):

@@ -21,7 +21,7 @@ from adazeta.run import run
 from adazeta.settings import parse
 from adazeta.scoring import candidate_scores, collate, encode
 from adazeta.tasks.loaders import load_rows
-from adazeta.tasks.spec import Example, render
+from adazeta.tasks.spec import Example
 from helpers import SHARED_DATA, SHARED_MODELS, compose_cfg, needs_shared_data, needs_shared_model
 
 MARK = "▁"  # SentencePiece's word-start marker
@@ -177,16 +177,16 @@ MASKED_TASKS = ("cr", "mnli", "mr", "qnli", "rte", "snli", "sst2", "sst5")
 
 def real_examples(task: str, family: str, mask_token: str | None, longest: int = 6, shortest: int = 2):
     """The longest (and a few of the shortest) rendered examples of every split of the task present offline."""
-    spec = parse(compose_cfg([f"task={task}"])).task
+    bound = parse(compose_cfg([f"task={task}"])).task.for_family(family, mask_token)
     out = []
     for split in ("train", "dev", "eval"):
         if family == "causal" and split == "dev":
             continue  # the causal protocol samples dev from train
         try:
-            rows, _ = load_rows(spec, split, str(SHARED_DATA), family)
+            rows, _ = load_rows(bound, split, str(SHARED_DATA))
         except ConfigError:  # the split is not offline (BoolQ's full train set, MNLI's test set)
             continue
-        examples = sorted((render(spec, family, r, r.get("label", 0), mask_token) for r in rows),
+        examples = sorted((bound.render(r, r.get("label", 0)) for r in rows),
                           key=lambda e: len(e.prompt) + max(len(c) for c in e.candidates))
         out += examples[:shortest] + examples[-longest:]
     assert out, f"no offline data for {task}"
@@ -245,7 +245,7 @@ def test_qnli_on_tiny_roberta_truncates_and_records_how_many(tmp_path):
 
     s = parse(cfg)
     tok = byte_tokenizer()
-    data = load_task(s.task, DataConfig(dir=str(SHARED_DATA), num_eval=200), "masked", s.seed, tok.mask_token)
+    data = load_task(s.bound_task().with_mask(tok.mask_token), DataConfig(dir=str(SHARED_DATA), num_eval=200), s.seed)
     expected = {split: sum(len(tok(e.prompt)["input_ids"]) > 128 for e in getattr(data, split))
                 for split in ("train", "dev", "eval")}
     assert saved["truncated"] == expected and expected["eval"] > 0
@@ -264,10 +264,10 @@ def test_smollm2_ids_are_unchanged_on_real_sst2_and_rte():
     assert not getattr(tok, "add_bos_token", False)
     examples = []
     for task in ("sst2", "rte"):
-        spec = parse(compose_cfg([f"task={task}"])).task
+        bound = parse(compose_cfg([f"task={task}"])).task.for_family("causal")
         for split in ("train", "eval"):
-            rows, _ = load_rows(spec, split, str(SHARED_DATA))
-            examples += [render(spec, "causal", r, r["label"]) for r in rows[:3000]]
+            rows, _ = load_rows(bound, split, str(SHARED_DATA))
+            examples += [bound.render(r, r["label"]) for r in rows[:3000]]
     for ex, enc in zip(examples, encode(examples, tok, "causal", 512)):
         assert enc.prompt == tok(ex.prompt, add_special_tokens=False)["input_ids"]
         assert enc.candidates == [tok(c, add_special_tokens=False)["input_ids"] for c in ex.candidates]

@@ -7,7 +7,7 @@ import statistics
 import torch
 
 from adazeta.fidelity import autograd_gradient, expected_cosine, zo_fidelity
-from adazeta.scoring import batch_loss
+from adazeta.scoring import Scorer
 from test_zo_health import tiny_batch, with_adapters
 
 
@@ -17,7 +17,8 @@ def test_zo_estimates_align_with_autograd_as_the_theory_says_and_leave_the_weigh
     params = [p for p in model.parameters() if p.requires_grad]
     dim = sum(p.numel() for p in params)
     before = [p.detach().clone() for p in params]
-    loss = lambda: batch_loss(model, batch, "causal")  # noqa: E731
+    scorer = Scorer.of(model, loaded.tokenizer)
+    loss = lambda: scorer.loss(batch)  # noqa: E731
     grad = autograd_gradient(params, loss)
     rows = zo_fidelity(params, loss, grad, [1, 4, 64], seeds=[0, 1, 2, 3], eps=1e-3, lr=1e-2)
     assert len(rows) == 12

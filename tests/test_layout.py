@@ -1,4 +1,5 @@
-"""The layout's import rule (CONTRIBUTING.md, Layout): the library never imports a tool; tools import the library.
+"""The layout's import rules (CONTRIBUTING.md, Layout): the library never imports a tool; tools import the library;
+outside ``scoring.py`` examples are scored through ``Scorer`` alone; a task reaches the loaders bound to its family.
 
 Read from the source with ``ast`` (nothing is imported), so a run's dependencies cannot grow a bench or a report
 without this failing."""
@@ -36,12 +37,7 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> set[
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = import_target(node, package)
             found.add(target)
             found.update(f"{target}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
@@ -49,6 +45,15 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> set[
             if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
                 found.add(node.args[0].value)
     return found
+
+
+def import_target(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` reads, a relative one resolved against ``package``."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def is_tools(name: str) -> bool:
@@ -112,3 +117,71 @@ def test_a_module_over_400_lines_says_why():
             if "Over 400 lines:" not in "\n".join(doc.splitlines()[:4]):
                 silent.append(str(path.relative_to(src)))
     assert not silent, f"modules over ~400 lines without a reason at the top of their docstring: {silent}"
+
+
+# What scoring.py does on its own: encoding, laying out and scoring examples for a given family. Every other module
+# goes through ``Scorer``, which holds the family, the tokenizer, the pad and mask ids and the objective.
+SCORING_ENTRY_POINTS = {"encode", "collate", "batch_loss", "candidate_scores", "replica_losses", "lm_parts",
+                        "_hidden_states"}
+
+
+def scoring_entry_points(source: str, module: str, is_package: bool = False) -> list[str]:
+    """The scoring entry points ``source`` imports from ``adazeta.scoring`` (by name, ``*``, or the module itself,
+    whose attributes would reach them)."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name == "adazeta.scoring"]
+        elif isinstance(node, ast.ImportFrom):
+            target = import_target(node, package)
+            if target == "adazeta.scoring":
+                found += [a.name for a in node.names if a.name in SCORING_ENTRY_POINTS or a.name == "*"]
+            elif target == "adazeta":
+                found += ["adazeta.scoring" for a in node.names if a.name == "scoring"]
+    return found
+
+
+def test_only_scoring_py_calls_the_scoring_entry_points():
+    """``Scorer`` is the one scoring API: a module that imported ``encode`` or ``batch_loss`` would pass a family
+    (or a pad id, an objective) by hand again, as the benches once passed a literal "causal"."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "scoring.py":
+            continue
+        for name in scoring_entry_points(path.read_text(), module_name(path), path.name == "__init__.py"):
+            offenders.append(f"{path.relative_to(PACKAGE)} imports {name} from adazeta.scoring")
+    assert not offenders, ("; ".join(offenders) + ": score through Scorer (Scorer.of(model, tokenizer, family) or "
+                           "Built.scorer: encode, collate, loss, scores, replica_losses, parts) instead")
+
+
+@pytest.mark.parametrize("source,module,found", [
+    ("from adazeta.scoring import Batch, Encoded, Scorer, gold_lengths", "adazeta.evaluate", []),
+    ("from adazeta.scoring import Scorer, batch_loss", "adazeta.tools.bench.common", ["batch_loss"]),
+    ("def f():\n    from adazeta.scoring import lm_parts", "adazeta.tools.diagnose_zo", ["lm_parts"]),
+    ("from .scoring import encode", "adazeta.build", ["encode"]),
+    ("from ..scoring import collate", "adazeta.tools.bench_memory", ["collate"]),
+    ("from adazeta.scoring import *", "adazeta.probe", ["*"]),
+    ("from adazeta import scoring", "adazeta.probe", ["adazeta.scoring"]),
+    ("import adazeta.scoring as sc", "adazeta.probe", ["adazeta.scoring"]),
+])
+def test_the_scoring_import_reader_sees_every_form(source, module, found):
+    assert scoring_entry_points(source, module) == found
+
+
+FAMILY_BOUND = ("tasks/loaders.py", "calibration.py", "icl.py")
+
+
+def test_loaders_calibration_and_icl_take_the_task_bound_to_its_family():
+    """A task reaches them as ``TaskSpec.for_family``'s ``BoundTask``, its family's sources and format resolved once:
+    a ``family`` parameter would let a caller ask the spec for them again, or pass another family."""
+    offenders = []
+    for rel in FAMILY_BOUND:
+        for node in ast.walk(ast.parse((PACKAGE / rel).read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                a = node.args
+                names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x is not None]
+                if "family" in names:
+                    offenders.append(f"{rel}: {getattr(node, 'name', 'lambda')}")
+    assert not offenders, (f"functions taking a `family` parameter: {', '.join(offenders)}; take the task bound "
+                           "to its family (TaskSpec.for_family) instead")

@@ -31,7 +31,7 @@ from adazeta.models import TINY_WORDS, byte_tokenizer
 from adazeta.settings import parse
 from adazeta.scoring import encode
 from adazeta.tasks.loaders import load_rows
-from adazeta.tasks.spec import TaskSpec, render
+from adazeta.tasks.spec import TaskSpec
 from helpers import SHARED_DATA, compose_cfg, needs_shared_data
 
 MASK = "<mask>"
@@ -163,7 +163,7 @@ def spec(name: str) -> TaskSpec:
 
 def rendered(task: str, s: TaskSpec, sentences: list[str]) -> str:
     row = dict(zip(SENTENCES[task], sentences), label=0)
-    return render(s, "masked", row, 0, MASK).prompt
+    return s.for_family("masked", MASK).render(row, 0).prompt
 
 
 def roberta_style_tokenizer(words: tuple[str, ...] = ()):
@@ -211,8 +211,8 @@ def test_encoding_gives_lmbff_ids(task):
     s, tok = spec(task), roberta_style_tokenizer(("It", "was", "man", "runs", "?"))
     for sentences in SYNTHETIC:
         sentences = sentences[: len(SENTENCES[task])]
-        (ours,) = encode([render(s, "masked", dict(zip(SENTENCES[task], sentences)), 0, tok.mask_token)], tok,
-                         "masked", max_length=512)
+        example = s.for_family("masked", tok.mask_token).render(dict(zip(SENTENCES[task], sentences)), 0)
+        (ours,) = encode([example], tok, "masked", max_length=512)
         assert ours.prompt == lmbff_ids(LMBFF_TEMPLATES[task], sentences, tok)
 
 
@@ -221,8 +221,8 @@ def test_a_question_ending_in_space_question_mark_gets_lmbff_ids():
     s, tok = spec("qnli"), roberta_style_tokenizer(("?",))
     sentences = ["When did it become known as ?", "It became known in 1990."]
     assert not pretokens_agree(NLI, sentences)
-    (ours,) = encode([render(s, "masked", dict(zip(SENTENCES["qnli"], sentences)), 0, tok.mask_token)], tok,
-                     "masked", max_length=512)
+    example = s.for_family("masked", tok.mask_token).render(dict(zip(SENTENCES["qnli"], sentences)), 0)
+    (ours,) = encode([example], tok, "masked", max_length=512)
     assert ours.prompt == lmbff_ids(NLI, sentences, tok)
 
 
@@ -266,15 +266,16 @@ REAL_TASKS = sorted(t for t in LMBFF_TEMPLATES if kshot_folder(t).is_dir())
 @pytest.mark.parametrize("task", REAL_TASKS)
 def test_real_rows_render_lmbff_text(task):
     s, template, compared = spec(task), LMBFF_TEMPLATES[task], 0
+    bound = s.for_family("masked", MASK)
     for seed in SEEDS:
         for split in SPLITS:
             theirs = lmbff_sentences(task, kshot_folder(task) / f"16-{seed}", split)
             if theirs is None:  # MNLI's and SNLI's test sets are not in the shared data
                 continue
-            rows, _ = load_rows(s, split, str(SHARED_DATA), family="masked", k=16, kshot_seed=seed)
+            rows, _ = load_rows(bound, split, str(SHARED_DATA), k=16, kshot_seed=seed)
             assert len(rows) == len(theirs)
             for row, sentences in zip(rows, theirs):
-                assert render(s, "masked", row, row["label"], MASK).prompt == lmbff_text(template, sentences)
+                assert bound.render(row, row["label"]).prompt == lmbff_text(template, sentences)
             compared += len(rows)
     assert compared >= 5 * 2 * 16 * len(s.labels)  # every seed's train and dev at least
 
@@ -289,8 +290,9 @@ def test_real_rows_get_lmbff_ids(task):
         theirs = lmbff_sentences(task, folder, split)
         if theirs is None:
             continue
-        rows, _ = load_rows(s, split, str(SHARED_DATA), family="masked", k=16, kshot_seed=13)
-        examples = [render(s, "masked", row, row["label"], tok.mask_token) for row in rows]
+        bound = s.for_family("masked", tok.mask_token)
+        rows, _ = load_rows(bound, split, str(SHARED_DATA), k=16, kshot_seed=13)
+        examples = [bound.render(row, row["label"]) for row in rows]
         for ours, sentences in zip(encode(examples, tok, "masked", max_length=10**6), theirs):
             expected = lmbff_ids(template, sentences, tok, REFERENCE_LIMITS[task])
             if expected is None:  # LM-BFF stops on this row; we cut around the mask instead

@@ -36,7 +36,7 @@ from adazeta.probe import ProbeConfig, fit_probe, prompt_features
 from adazeta.build import seed_everything
 from adazeta.run import run
 from adazeta.settings import parse
-from adazeta.scoring import Scorer, batch_loss, collate, encode
+from adazeta.scoring import Scorer
 from adazeta.tasks.loaders import load_task
 from adazeta.tasks.spec import Example
 from adazeta.train import first_order_step
@@ -108,22 +108,25 @@ def test_each_method_trains_exactly_its_parameters(method, data_dir):
 @pytest.mark.parametrize("method", ZO_METHODS + FO_METHODS)
 def test_training_lowers_the_loss_and_leaves_frozen_weights_bitwise_unchanged(method, data_dir):
     s, model, tok, named = build(data_dir, method, f"method.optimizer.lr={TEST_LR[method]}")
-    data = load_task(s.task, s.data, "causal", 0)
+    data = load_task(s.bound_task(), s.data, 0)
     # A tiny learnable task: one class only, so any trainable set that reaches the scores can fit it.
-    items = encode([e for e in data.train if e.gold == 0][:8], tok, "causal", 256)
-    batch = collate(items, "causal", tok.pad_token_id)
+    scorer = Scorer.of(model, tok)
+    items = scorer.encode([e for e in data.train if e.gold == 0][:8], 256)
+    batch = scorer.collate(items)
     optimizer = OPTIMIZERS.get(s.optimizer.kind).builder(named, s.optimizer.config, 0)
     trainable = {n for n, _ in named}
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.eval()
     with torch.no_grad():
-        loss_before = float(batch_loss(model.eval(), batch, "causal"))
+        loss_before = float(scorer.loss(batch))
     for _ in range(10 if method in ZO_METHODS else 3):
         if method in ZO_METHODS:
-            optimizer.step(lambda: batch_loss(model, batch, "causal"), n_queries=2)
+            optimizer.step(lambda: scorer.loss(batch), n_queries=2)
         else:
-            first_order_step(Scorer.of(model, tok), optimizer, items)
+            first_order_step(scorer, optimizer, items)
+    model.eval()
     with torch.no_grad():
-        loss_after = float(batch_loss(model.eval(), batch, "causal"))
+        loss_after = float(scorer.loss(batch))
     assert loss_after < loss_before - 0.02, (loss_before, loss_after)
     after = dict(model.named_parameters())
     for name, value in before.items():
@@ -281,8 +284,8 @@ def test_bottleneck_config_errors_name_the_field(values, field):
 @pytest.mark.parametrize("grad_accum", [2, 3])
 def test_gradient_accumulation_equals_one_big_batch(grad_accum, data_dir):
     s, model, tok, named = build(data_dir, "ft", "method.optimizer.lr=0")
-    data = load_task(s.task, s.data, "causal", 0)
-    items = encode(data.train[:8], tok, "causal", 256)  # prompts of different lengths: padding differs per micro-batch
+    data = load_task(s.bound_task(), s.data, 0)
+    items = Scorer.of(model, tok).encode(data.train[:8], 256)  # different lengths: padding differs per micro-batch
     other = copy.deepcopy(model)
     grads = {}
     for m, accum in ((model, 1), (other, grad_accum)):
@@ -304,6 +307,10 @@ def _examples(n: int) -> list[Example]:
     return [Example(f"review {i} It was", [" terrible", " great"], i % 2) for i in range(n)]
 
 
+def _sst2(family: str, mask_token: str | None = None):
+    return parse(compose_cfg(["task=sst2"])).task.for_family(family, mask_token)
+
+
 def test_demonstrations_are_seeded_distinct_train_examples():
     train = _examples(50)
     a, b, c = (sample_demonstrations(train, 8, seed) for seed in (0, 0, 1))
@@ -317,21 +324,24 @@ def test_demonstrations_are_seeded_distinct_train_examples():
 def test_demonstrations_precede_the_prompt_and_truncation_keeps_the_test_example_whole():
     tok = byte_tokenizer()
     demos, test = _examples(4), Example("the test sentence It was", [" terrible", " great"], 1)
-    (full,) = prepend_demonstrations([test], demos, "\n\n", "causal", fits_in(tok, "causal", 384))
-    blocks = [demonstration_text(d, "causal") for d in demos]
+    task = _sst2("causal")
+    (full,) = prepend_demonstrations([test], demos, "\n\n", task, fits_in(tok, task, 384))
+    blocks = [demonstration_text(d, task) for d in demos]
     assert blocks[1] == "review 1 It was great"  # the gold answer follows each demonstration's prompt
     assert full.prompt == "\n\n".join(blocks + [test.prompt]) and full.meta["demonstrations"] == 4
     # Room for about two demonstrations: the oldest are dropped whole, the test example stays whole.
     budget = len(tok("\n\n".join(blocks[2:] + [test.prompt]))["input_ids"]) + 1
-    (cut,) = prepend_demonstrations([test], demos, "\n\n", "causal", fits_in(tok, "causal", budget))
+    (cut,) = prepend_demonstrations([test], demos, "\n\n", task, fits_in(tok, task, budget))
     assert cut.prompt == "\n\n".join(blocks[2:] + [test.prompt]) and cut.meta["demonstrations"] == 2
-    (none,) = prepend_demonstrations([test], demos, "\n\n", "causal", fits_in(tok, "causal", 8))
+    (none,) = prepend_demonstrations([test], demos, "\n\n", task, fits_in(tok, task, 8))
     assert none.prompt == test.prompt and none.meta["demonstrations"] == 0
 
 
 def test_masked_demonstrations_fill_the_mask_with_the_gold_word():
     demo = Example("fine film It was<mask>.", ["terrible", "great"], 1)
-    assert demonstration_text(demo, "masked", "<mask>") == "fine film It was great."  # LM-BFF's " great" token
+    assert demonstration_text(demo, _sst2("masked", "<mask>")) == "fine film It was great."  # LM-BFF's " great"
+    with pytest.raises(ConfigError, match="masked demonstrations need the tokenizer's mask token"):
+        demonstration_text(demo, _sst2("masked"))  # bound before the tokenizer was known
 
 
 def test_icl_run_prepends_demonstrations_to_dev_and_test(data_dir, tmp_path):
@@ -363,9 +373,9 @@ def test_probe_selects_c_on_dev_and_separates_separable_features():
 
 def test_probe_features_are_the_last_prompt_token_whatever_the_padding(data_dir):
     s, model, tok, _ = build(data_dir, "lp")
-    data = load_task(s.task, s.data, "causal", 0)
-    items = encode(data.train[:5], tok, "causal", 256)
+    data = load_task(s.bound_task(), s.data, 0)
     scorer = Scorer.of(model, tok)
+    items = scorer.encode(data.train[:5], 256)
     batched = prompt_features(scorer, items, 5)
     alone = prompt_features(scorer, items[2:3], 1)
     assert batched.shape == (5, 32)

@@ -19,7 +19,7 @@ from adazeta.optim.batched import ReplicaClosure
 from adazeta.optim.sparse_mezo import SparseZOSGD
 from adazeta.optim.spsa import PackedMask, RandomMask, directions, perturb_, projected_gradient, zo_update_
 from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
-from adazeta.scoring import collate, encode, replica_losses
+from adazeta.scoring import Scorer
 from adazeta.tasks.spec import Example
 
 
@@ -124,12 +124,14 @@ def model_and_closure(kind: str):
             for p in model.parameters():
                 if p.requires_grad:
                     p.add_(torch.randn_like(p), alpha=0.1)
-    batch = collate(encode(EXAMPLES, loaded.tokenizer, "causal", 64), "causal", loaded.tokenizer.pad_token_id)
-    return model, ReplicaClosure(model, functools.partial(replica_losses, model, batch, "causal"))
+    scorer = Scorer.of(model, loaded.tokenizer)
+    batch = scorer.collate(scorer.encode(EXAMPLES, 64))
+    return model, ReplicaClosure(model, functools.partial(scorer.replica_losses, batch))
 
 
 def closure_of(model, closure):
-    return ReplicaClosure(model, functools.partial(closure.losses.func, model, *closure.losses.args[1:]))
+    """``closure``'s losses, of the same batch, on another model (a copy)."""
+    return ReplicaClosure(model, functools.partial(Scorer(model).replica_losses, *closure.losses.args))
 
 
 def trainable(model):

@@ -207,19 +207,18 @@ def test_mezo_linear_probe_is_logistic_regression_cv_with_the_references_argumen
 
 
 def test_templates_as_mezos():
-    from adazeta.tasks.spec import render
-
     boolq = settings("task=boolq").task
     row = {"passage": "Water boils at 100 C", "question": "does water boil at 100 c", "label": True}
-    ex = render(boolq, "causal", row, boolq.labels.index(True))
+    ex = boolq.for_family("causal").render(row, boolq.labels.index(True))
     # templates.py BoolQTemplateV3: f"{passage} {question}\n", candidates ["Yes", "No"], correct "Yes" if answer
     assert ex.prompt == "Water boils at 100 C Does water boil at 100 c?\n"
     assert ex.candidates == ["Yes", "No"] and ex.candidates[ex.gold] == "Yes"
     drop = settings("task=drop").task
-    ex = render(drop, "causal", {"context": "C.", "question": "  How many?  ", "answers": ["2"]}, 0)
+    ex = drop.for_family("causal").render({"context": "C.", "question": "  How many?  ", "answers": ["2"]}, 0)
     assert ex.prompt == "Passage: C.\nQuestion: How many?\nAnswer:"  # question.strip(), context as is
     multirc = settings("task=multirc").task
-    ex = render(multirc, "causal", {"paragraph": "\n  Para.", "question": "Q?", "answer": "A", "label": 1}, 1)
+    ex = multirc.for_family("causal").render({"paragraph": "\n  Para.", "question": "Q?", "answer": "A", "label": 1},
+                                             1)
     mezo = f"{chr(10)}  Para.\nQuestion: Q?\nI found this answer \"A\". Is that correct? Yes or No?\n".lstrip()
     assert ex.prompt == mezo  # encode_prompt: (demos + "\n\n" + text).lstrip()
 
@@ -276,7 +275,7 @@ def test_sst2_from_the_hub_draws_mezos_train_dev_and_test_rows(monkeypatch, seed
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     task = settings("task=sst2").task
-    data = load_task(task, DataConfig(num_train=1000, num_dev=500, num_eval=1000), "causal", seed=seed)
+    data = load_task(task.for_family("causal"), DataConfig(num_train=1000, num_dev=500, num_eval=1000), seed=seed)
     assert asked == [("nyu-mll/glue", "sst2", "train"), ("nyu-mll/glue", "sst2", "validation")]
 
     np.random.seed(seed)

@@ -97,16 +97,17 @@ def test_adazeta_trains_only_adapters_and_leaves_the_backbone_bitwise_unchanged(
     assert not any("norm" in n or "lm_head" in n or "embed" in n for n in trainable)
     # one ZO step through the real pieces
     from adazeta.optim import OPTIMIZERS
-    from adazeta.scoring import batch_loss, collate, encode
+    from adazeta.scoring import Scorer
     from adazeta.tasks.loaders import load_task
 
-    data = load_task(s.task, s.data, "causal", 0)
-    batch = collate(encode(data.train[:4], loaded.tokenizer, "causal", 256), "causal", loaded.tokenizer.pad_token_id)
+    data = load_task(s.bound_task(), s.data, 0)
+    scorer = Scorer.of(model, loaded.tokenizer)
+    batch = scorer.collate(scorer.encode(data.train[:4], 256))
     opt = OPTIMIZERS.get("zo_sgd").builder([(n, p) for n, p in model.named_parameters() if p.requires_grad],
                                            s.optimizer.config, 0)
     adapter_before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     for _ in range(3):
-        opt.step(lambda: batch_loss(model, batch, "causal"))
+        opt.step(lambda: scorer.loss(batch))
     after = dict(model.named_parameters())
     for name, value in before.items():
         wrapped = name.replace("mlp.gate_proj.", "mlp.gate_proj.base.").replace("mlp.up_proj.", "mlp.up_proj.base.")

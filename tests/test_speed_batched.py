@@ -19,7 +19,7 @@ from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 from adazeta.build import preflight
 from adazeta.run import run
 from adazeta.settings import parse
-from adazeta.scoring import batch_loss, collate, encode, replica_losses
+from adazeta.scoring import Scorer
 from adazeta.tasks.spec import Example
 from helpers import compose_cfg, tiny_overrides
 
@@ -54,12 +54,12 @@ def adapted(kind: str, dtype: str = "fp32", device: str = "cpu"):
             for name, p in model.named_parameters():
                 if p.requires_grad:
                     p.normal_(0, 0.1)
-    batch = collate(encode(EXAMPLES, loaded.tokenizer, "causal", 64), "causal", loaded.tokenizer.pad_token_id)
-    return model, batch.to(loaded.device)
+    scorer = Scorer.of(model, loaded.tokenizer, device=loaded.device)
+    return model, scorer.collate(scorer.encode(EXAMPLES, 64))
 
 
 def closure_for(model, batch) -> ReplicaClosure:
-    return ReplicaClosure(model, functools.partial(replica_losses, model, batch, "causal"))
+    return ReplicaClosure(model, functools.partial(Scorer(model).replica_losses, batch))
 
 
 def trainable(model) -> list[nn.Parameter]:
@@ -143,7 +143,7 @@ def test_a_plain_closure_falls_back_to_sequential_queries(caplog):
     twin = copy.deepcopy(model)
     opt = ZOSGD(trainable(model), lr=1e-2, eps=5e-2, seed=5, n_queries=2, batched_queries=True)
     with caplog.at_level("WARNING", logger="adazeta"):
-        opt.step(lambda: batch_loss(model, batch, "causal"))  # no way to evaluate replicas
+        opt.step(lambda: Scorer(model).loss(batch))  # no way to evaluate replicas
     assert "sequential" in caplog.text
     seq = one_step(twin, batch, batched=False, n_queries=2)
     torch.testing.assert_close(opt.last_projected_grads, seq.last_projected_grads, atol=0, rtol=0)
@@ -201,7 +201,7 @@ def test_auto_chunk_takes_as_many_replicas_as_the_memory_budget_allows():
     from adazeta.optim.batched import auto_chunk, forward_bytes
 
     model, batch = adapted("tt")
-    closure = ReplicaClosure(model, functools.partial(replica_losses, model, batch, "causal"), batch)
+    closure = ReplicaClosure(model, functools.partial(Scorer(model).replica_losses, batch), batch)
     params = trainable(model)
     one = forward_bytes(model, batch)
     assert one > 0 and forward_bytes(model, batch.repeat(2)) == pytest.approx(2 * one, rel=0.05)
@@ -222,7 +222,7 @@ def test_an_auto_chunked_step_equals_the_sequential_step(budget, expected):
     seq = one_step(model, batch, batched=False, chunk=4)
     opt = ZOSGD(trainable(twin), lr=1e-2, eps=5e-2, seed=5, n_queries=3, batched_queries=True,
                 query_chunk="auto", query_memory=budget)
-    opt.step(ReplicaClosure(twin, functools.partial(replica_losses, twin, batch, "causal"), batch))
+    opt.step(ReplicaClosure(twin, functools.partial(Scorer(twin).replica_losses, batch), batch))
     assert min(opt.last_chunk, 6) == expected  # 6 evaluations in all: a larger chunk is one forward
     torch.testing.assert_close(opt.last_losses, seq.last_losses, atol=1e-6, rtol=1e-6)
     for a, b in zip(trainable(model), trainable(twin)):

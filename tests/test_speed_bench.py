@@ -136,7 +136,7 @@ def test_reference_forward_is_the_reference_loss():
     import torch
 
     from adazeta.models import ModelConfig, load_model
-    from adazeta.scoring import batch_loss, collate
+    from adazeta.scoring import Scorer
 
     loaded = load_model(ModelConfig(name="t", random_init=True, architecture=dict(
         model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -144,8 +144,9 @@ def test_reference_forward_is_the_reference_loss():
     items = common.synthetic_items("sst2", 5, 0, len(loaded.tokenizer)) + common.synthetic_items("rte", 3, 1, 200)
     for ex in items:
         ex.candidates = [[7, 9], [11]]  # multi-token candidates: the option-length mask matters
+    scorer = Scorer.of(loaded.model, loaded.tokenizer)
     with torch.no_grad():
-        ours = batch_loss(loaded.model, collate(items, "causal", loaded.tokenizer.pad_token_id), "causal")
+        ours = scorer.loss(scorer.collate(items))
         reference = forwards.reference_zo_forward(loaded.model, items, loaded.tokenizer.pad_token_id,
                                                torch.device("cpu"))
     torch.testing.assert_close(reference, ours, atol=1e-5, rtol=1e-5)

@@ -7,7 +7,6 @@ import pytest
 from adazeta.errors import ConfigError
 from adazeta.settings import parse
 from adazeta.tasks.loaders import DataConfig, load_rows, load_task
-from adazeta.tasks.spec import render
 from helpers import SHARED_DATA, compose_cfg, needs_shared_data
 
 
@@ -16,17 +15,19 @@ def spec(name: str):
 
 
 def test_rte_template_and_candidates():
-    ex = render(spec("rte"), "causal", {"premise": "A cat sat.", "hypothesis": "A cat exists.", "label": 0}, 0)
+    rte = spec("rte").for_family("causal")
+    ex = rte.render({"premise": "A cat sat.", "hypothesis": "A cat exists.", "label": 0}, 0)
     assert ex.prompt == 'A cat sat.\nDoes this mean that "A cat exists." is true? Yes or No?\n'
     assert ex.candidates == ["Yes", "No"] and ex.gold == 0
 
 
 def test_sst2_templates_for_both_families():
     s = spec("sst2")
-    assert render(s, "causal", {"sentence": "fine film", "label": 1}, 1).prompt == "fine film It was"
+    causal = s.for_family("causal")
+    assert causal.render({"sentence": "fine film", "label": 1}, 1).prompt == "fine film It was"
     # GLUE sentences end in a space: stripped, as MeZO does, so the prompt has no double space
-    assert render(s, "causal", {"sentence": "fine film ", "label": 1}, 1).prompt == "fine film It was"
-    masked = render(s, "masked", {"sentence": "fine film", "label": 1}, 1, mask_token="<mask>")
+    assert causal.render({"sentence": "fine film ", "label": 1}, 1).prompt == "fine film It was"
+    masked = s.for_family("masked", "<mask>").render({"sentence": "fine film", "label": 1}, 1)
     assert masked.prompt == "fine film It was<mask>." and masked.candidates == ["terrible", "great"]
 
 
@@ -40,9 +41,9 @@ def test_labels_normalise_from_strings_ints_and_bools():
 
 def test_sampling_is_seeded_and_disjoint(fixture_data):
     data = DataConfig(num_train=20, num_dev=10, num_eval=8, dir=str(fixture_data))
-    a = load_task(spec("rte"), data, "causal", seed=1)
-    b = load_task(spec("rte"), data, "causal", seed=1)
-    c = load_task(spec("rte"), data, "causal", seed=2)
+    a = load_task(spec("rte").for_family("causal"), data, seed=1)
+    b = load_task(spec("rte").for_family("causal"), data, seed=1)
+    c = load_task(spec("rte").for_family("causal"), data, seed=2)
     assert [e.prompt for e in a.train] == [e.prompt for e in b.train]
     assert [e.prompt for e in a.train] != [e.prompt for e in c.train]
     assert (len(a.train), len(a.dev), len(a.eval)) == (20, 10, 8)
@@ -55,23 +56,23 @@ def test_malformed_rows_name_file_and_line(tmp_path):
     (folder / "train.jsonl").write_text('{"premise": "a", "hypothesis": "b", "label": "entailment"}\n{"premise": "a"\n')
     (folder / "val.jsonl").write_text('{"premise": "a", "hypothesis": "b", "label": "entailment"}\n')
     with pytest.raises(ConfigError, match=r"train\.jsonl:2: not valid JSON"):
-        load_rows(spec("rte"), "train", str(tmp_path))
+        load_rows(spec("rte").for_family("causal"), "train", str(tmp_path))
     (folder / "train.jsonl").write_text('{"premise": "a", "label": "entailment"}\n')
     with pytest.raises(ConfigError, match=r"train\.jsonl:1: missing field 'hypothesis'"):
-        load_rows(spec("rte"), "train", str(tmp_path))
+        load_rows(spec("rte").for_family("causal"), "train", str(tmp_path))
     sst = tmp_path / "glue" / "SST-2"
     sst.mkdir(parents=True)
     (sst / "train.tsv").write_text("sentence\tlabel\ngood\t1\nbad\t0\textra\n")
     (sst / "dev.tsv").write_text("sentence\tlabel\n")
     (sst / "test.tsv").write_text("sentence\tlabel\n")
     with pytest.raises(ConfigError, match=r"train\.tsv:3: 3 columns, expected 2"):
-        load_rows(spec("sst2"), "train", str(tmp_path))
+        load_rows(spec("sst2").for_family("causal"), "train", str(tmp_path))
 
 
 @needs_shared_data
 @pytest.mark.parametrize("task,n_train,n_eval", [("rte", 2490, 277), ("sst2", 60614 + 6735, 872)])
 def test_real_local_files_load_with_their_sizes(task, n_train, n_eval):
-    train, _ = load_rows(spec(task), "train", str(SHARED_DATA))
-    evals, _ = load_rows(spec(task), "eval", str(SHARED_DATA))
+    train, _ = load_rows(spec(task).for_family("causal"), "train", str(SHARED_DATA))
+    evals, _ = load_rows(spec(task).for_family("causal"), "eval", str(SHARED_DATA))
     assert (len(train), len(evals)) == (n_train, n_eval)
     assert {r["label"] for r in train} == {0, 1}

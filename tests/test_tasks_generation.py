@@ -17,9 +17,9 @@ from adazeta.models import ModelConfig, load_model
 from adazeta.record import main_score
 from adazeta.tracking import eval_columns
 from adazeta.run import run
-from adazeta.scoring import batch_loss, candidate_scores, collate, encode, objective_loss
+from adazeta.scoring import Scorer, objective_loss
 from adazeta.tasks.metrics import best_exact_match, best_f1, exact_match, normalize_answer, token_f1
-from adazeta.tasks.objectives import gold_only
+from adazeta.tasks.objectives import Objective, gold_only
 from adazeta.tasks.spec import Example
 from helpers import compose_cfg
 from test_scoring import TINY_LLAMA
@@ -93,10 +93,12 @@ def test_lm_loss_on_gold_only_items_equals_the_gold_score(tiny):
         Example("The man fell because", [" he tripped.", " the floor was wet and slippery."], 1),
         Example("It rained so", [" the grass grew.", " we stayed in."], 0),
     ]
-    enc = encode(examples, tiny.tokenizer, "causal", 128)
+    scorer = Scorer.of(tiny.model, tiny.tokenizer)
+    lm = Scorer.of(tiny.model, tiny.tokenizer, objective=Objective("lm"))
+    enc = scorer.encode(examples, 128)
     with torch.no_grad():
-        full = candidate_scores(tiny.model, collate(enc, "causal", tiny.tokenizer.pad_token_id), "causal")
-        gold = batch_loss(tiny.model, collate(gold_only(enc), "causal", tiny.tokenizer.pad_token_id), "causal", "lm")
+        full = scorer.scores(scorer.collate(enc))
+        gold = lm.loss(lm.collate(gold_only(enc)))
     expected = -(full[0, 1] + full[1, 0]) / 2  # minus the gold choices' mean token log-likelihoods
     assert gold.item() == pytest.approx(expected.item(), rel=1e-5)
     assert objective_loss(full, torch.tensor([1, 0]), "lm").item() == pytest.approx(expected.item(), rel=1e-5)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from adazeta.errors import ConfigError
 from adazeta.settings import parse
-from adazeta.tasks.spec import TaskSpec, render
+from adazeta.tasks.spec import BoundTask, TaskSpec
 from helpers import CONF, compose_cfg
 
 MASK = "<mask>"
@@ -75,13 +77,14 @@ def test_templates_render_spec_prompts_and_label_words(name):
         if expected is None:
             assert getattr(s, family) is None
             continue
+        task = s.for_family(family, MASK)
         for raw, word in words.items():
             gold = s.label_index(raw, "fixture")
-            ex = render(s, family, {**row, "label": gold}, gold, MASK)
+            ex = task.render({**row, "label": gold}, gold)
             assert ex.prompt == expected
             assert len(ex.candidates) == len(s.labels)
             assert ex.candidates[ex.gold].strip() == word
-        assert render(s, family, row, 0, MASK).prompt == expected  # deterministic
+        assert task.render(row, 0).prompt == expected  # deterministic
 
 
 def test_causal_sst2_candidates_carry_their_leading_space():
@@ -93,7 +96,7 @@ def test_causal_sst2_candidates_carry_their_leading_space():
 def test_copa_hook(question, conj):
     s = spec("copa")
     row = {"premise": "The man fell.", "choice1": "He tripped.", "choice2": "I laughed.", "question": question}
-    ex = render(s, "causal", row, 1)
+    ex = s.for_family("causal").render(row, 1)
     assert ex.prompt == "The man fell" + conj
     assert ex.candidates == [" he tripped.", " I laughed."]  # first word lower-cased, except "I"
     assert ex.gold == 1 and s.objective == "lm"
@@ -106,22 +109,23 @@ def test_record_hook():
         "entities": ["Rain", "Paris", "Paris"],
         "answers": ["Paris"],
     }
-    ex = render(spec("record"), "causal", row, 0)
+    record = spec("record").for_family("causal")
+    ex = record.render(row, 0)
     assert ex.prompt == "Rain fell on Paris.\n- Paris is wet\n-"
     assert ex.candidates == [" Paris got wet.", " Rain got wet."]  # one per distinct entity
     assert ex.gold == 0 and ex.meta["answers"] == ["Paris"]
     with pytest.raises(ConfigError, match="no answer"):
-        render(spec("record"), "causal", {**row, "answers": ["Lyon"]}, 0)
+        record.render({**row, "answers": ["Lyon"]}, 0)
 
 
 def test_generation_hooks_keep_every_answer():
     squad = {"title": "Cats", "context": "Cats purr.", "question": " What do cats do? ",
              "answers": {"text": ["purr", "they purr"], "answer_start": [5, 0]}}
-    ex = render(spec("squad"), "causal", squad, 0)
+    ex = spec("squad").for_family("causal").render(squad, 0)
     assert ex.prompt == "Title: Cats\nContext: Cats purr.\nQuestion: What do cats do?\nAnswer:"
     assert ex.candidates == [" purr\n"] and ex.meta["answers"] == ["purr", "they purr"]
     drop = {"context": "Two cats sat.", "question": "How many cats?", "answers": {"spans": ["2"], "types": ["number"]}}
-    ex = render(spec("drop"), "causal", drop, 0)
+    ex = spec("drop").for_family("causal").render(drop, 0)
     assert ex.prompt == "Passage: Two cats sat.\nQuestion: How many cats?\nAnswer:"
     assert ex.meta["answers"] == ["2"]
     s = spec("squad")
@@ -154,7 +158,34 @@ def test_unknown_hook_lists_the_known_ones():
 
 
 def test_a_task_without_the_family_format_says_so():
-    with pytest.raises(ConfigError, match="task 'copa' has no prompt format for masked models"):
-        spec("copa").sources("masked")
-    with pytest.raises(ConfigError, match="task 'trec' has no prompt format for causal models"):
-        spec("trec").sources("causal")
+    for name, family in (("copa", "masked"), ("trec", "causal")):
+        with pytest.raises(ConfigError) as err:
+            spec(name).for_family(family)
+        assert str(err.value) == (f"task {name!r} has no prompt format for {family} models; "
+                                  "pick another task or model")
+
+
+def test_a_task_bound_to_a_family_holds_that_protocol_s_sources_and_format():
+    s = spec("sst2")
+    causal, masked = s.for_family("causal"), s.for_family("masked")
+    assert isinstance(causal, BoundTask) and causal.spec is s and causal.name == "sst2"
+    # causal: the MeZO protocol's sources (GLUE); masked: LM-BFF's k-shot layout, from masked_data
+    assert (causal.family, causal.format, causal.hub, causal.local) == ("causal", s.causal, s.hub, s.local)
+    assert (masked.family, masked.format) == ("masked", s.masked)
+    assert (masked.hub, masked.local) == (s.masked_data.hub, s.masked_data.local)
+    assert masked.local is not s.local and masked.local.kshot and not causal.local.kshot
+    assert causal.candidates == s.causal.candidates and masked.candidates == s.masked.candidates
+
+
+def test_the_mask_token_binds_once_the_tokenizer_is_known():
+    s = spec("sst2")
+    before = s.for_family("masked")  # the checks before any model loads: no tokenizer yet
+    assert before.mask_token is None
+    with pytest.raises(ConfigError, match="masked template needs the tokenizer's mask token"):
+        before.render(SENTENCE, 1)
+    after = before.with_mask(MASK)
+    assert after.mask_token == MASK and before.mask_token is None  # a new binding; the first one is unchanged
+    assert after == s.for_family("masked", MASK)
+    assert after.render(SENTENCE, 1).prompt == "a gripping film It was<mask>."
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        after.family = "causal"

@@ -205,7 +205,7 @@ def test_enough_rows_no_warning(fixture_data, tmp_path, caplog):
 
     s = parse(compose_cfg(tiny_overrides(fixture_data)))
     with caplog.at_level(logging.INFO, logger="adazeta"):
-        data = load_task(s.task, s.data, "causal", 0)
+        data = load_task(s.bound_task(), s.data, 0)
     assert (len(data.train), len(data.dev)) == (32, 16)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 

@@ -15,7 +15,7 @@ from adazeta.evaluate import evaluate
 from adazeta.models import ModelConfig, load_model
 from adazeta.optim.zo_sgd import ZOSGD
 from adazeta.schedules import AdaptiveOfficialConfig, budget_steps, build_adaptive_official
-from adazeta.scoring import Scorer, batch_loss, collate, encode
+from adazeta.scoring import Scorer
 from adazeta.tasks.spec import Example
 from adazeta.tracking import DivergenceConfig, DivergenceMonitor
 
@@ -33,8 +33,8 @@ def tiny():
 
 
 def tiny_batch(loaded):
-    items = encode(EXAMPLES, loaded.tokenizer, "causal", 128)
-    return collate(items, "causal", loaded.tokenizer.pad_token_id)
+    scorer = Scorer.of(loaded.model, loaded.tokenizer)
+    return scorer.collate(scorer.encode(EXAMPLES, 128))
 
 
 def logits(model, batch) -> torch.Tensor:
@@ -85,8 +85,9 @@ def test_a_few_zo_steps_from_identity_move_every_parameter_and_change_the_output
     before = {n: p.detach().clone() for n, p in named}
     start = logits(model, batch)
     opt = ZOSGD([p for _, p in named], lr=1e-3, eps=1e-3, seed=0, n_queries=2)
+    scorer = Scorer.of(model, loaded.tokenizer)
     for _ in range(3):
-        opt.step(lambda: batch_loss(model, batch, "causal"))
+        opt.step(lambda: scorer.loss(batch))
     for n, p in named:
         assert not torch.equal(p, before[n]), f"{n} did not move"
     assert (logits(model, batch) - start).abs().max() > 0
@@ -222,9 +223,9 @@ def test_a_collapse_ends_the_run_as_diverged_and_test_uses_the_state_before_it(t
 
     loaded, model = with_adapters("tt", "identity")
     tok = loaded.tokenizer
-    items = encode(EXAMPLES * 4, tok, "causal", 128)
     scorer = Scorer.of(model, tok)
-    dev = scorer.batches(encode(EXAMPLES, tok, "causal", 128), 8, sort=True)
+    items = scorer.encode(EXAMPLES * 4, 128)
+    dev = scorer.batches(scorer.encode(EXAMPLES, 128), 8, sort=True)
     adapters = [m for m in model.modules() if isinstance(m, TTAdapter)]
     opt = Saboteur([p for p in model.parameters() if p.requires_grad], adapters)
     tracker = Tracker(tmp_path, WandbConfig(mode="disabled"), "t", {}, [])

@@ -41,10 +41,9 @@ from adazeta.optim import OPTIMIZERS, check_contract, zeroth_order
 from adazeta.optim.batched import replica_sites
 from adazeta.paths import config_dir
 from adazeta.schedules import SCHEDULES, Schedule, budget_steps, mean_queries
-from adazeta.scoring import Encoded, Scorer, encode, packing_supported
+from adazeta.scoring import Encoded, Scorer, packing_supported
 from adazeta.settings import Settings, parse, unused_keys
 from adazeta.tasks.loaders import TaskData, check_data, load_task, split_rows, validate_local_rows
-from adazeta.tasks.spec import render
 from adazeta.tasks.objectives import build_objective
 from adazeta.tracking import quiet_third_party
 from adazeta.train import RunLength, steps_per_epoch
@@ -110,8 +109,9 @@ def preflight(s: Settings) -> None:
     resolve_source(s.model)
     use = train_use(s)
     needed_by = None if use is None else f"method {s.method!r} needs the train split {use}"
-    check_data(s.task, s.data, s.model.family, needed_by)
-    validate_local_rows(s.task, s.data, s.model.family, use is not None)
+    task = s.bound_task()  # refuses a task without the model family's prompt format
+    check_data(task, s.data, needed_by)
+    validate_local_rows(task, s.data, use is not None)
     if s.optimizer is None and s.adapter.config.trains:
         raise ConfigError(f"method {s.method!r} trains an adapter but has no optimizer; set method.optimizer")
     if not s.adapter.config.replicable and s.optimizer and s.optimizer.config.batches_queries:
@@ -202,33 +202,35 @@ def build(s: Settings, loaded: LoadedModel | None = None, data: TaskData | None 
     total, trainable = count_parameters(model)
     log.info("model %s from %s on %s: %s parameters, %s trainable (%s)", s.model.name, loaded.source.kind,
              loaded.device, f"{total:,}", f"{trainable:,}", s.adapter.kind)
-    family, tok = loaded.family, loaded.tokenizer
+    tok = loaded.tokenizer
+    # The task for the model's family, bound once, with the mask token a masked template holds.
+    task = s.bound_task().with_mask(getattr(tok, "mask_token", None))
+    scorer = Scorer.of(model, tok, loaded.family, loaded.device)  # encodes now; the objective joins it below
     if data is None:
-        data = load_task(s.task, s.data, family, s.seed, getattr(tok, "mask_token", None), train_use(s) is not None)
+        data = load_task(task, s.data, s.seed, train_use(s) is not None)
     content_free = None
     if s.calibration == "contextual":  # the template around content-free inputs, with ICL's demonstrations too
-        content_free = content_free_examples(s.task, family, getattr(tok, "mask_token", None))
+        content_free = content_free_examples(task)
         if s.demonstrations is not None:
-            content_free = with_demonstrations(content_free, data, s.demonstrations, tok, family, s.model.max_length,
+            content_free = with_demonstrations(content_free, data, s.demonstrations, tok, task, s.model.max_length,
                                                s.seed)
-        content_free = encode(content_free, tok, family, s.model.max_length)
+        content_free = scorer.encode(content_free, s.model.max_length)
     demonstrations = None
     if s.demonstrations is not None and s.demonstrations.protocol == "per_example":  # MeZO's icl.sh
-        rows = split_rows(s.task, family, "train", s.data)
-        mask = getattr(tok, "mask_token", None)
+        rows = split_rows(task, "train", s.data)
         demonstrations = add_per_example_demonstrations_(
-            data, s.demonstrations, len(rows),
-            lambda i: render(s.task, family, (row := rows.take([i])[0]), row.get("label", 0), mask), family, mask)
+            data, s.demonstrations, len(rows), lambda i: task.render((row := rows.take([i])[0]), row.get("label", 0)),
+            task)
     elif s.demonstrations is not None:  # ICL: the mean number of demonstrations that fit a test prompt
-        demonstrations = add_demonstrations_(data, s.demonstrations, tok, family, s.model.max_length, s.seed)
-    enc = {split: encode(getattr(data, split), tok, family, s.model.max_length) for split in ("train", "dev", "eval")}
-    for split, items in enc.items():  # cut by encode(), never refused
+        demonstrations = add_demonstrations_(data, s.demonstrations, tok, task, s.model.max_length, s.seed)
+    enc = {split: scorer.encode(getattr(data, split), s.model.max_length) for split in ("train", "dev", "eval")}
+    for split, items in enc.items():  # cut by the encoding, never refused
         if n := sum(e.truncated for e in items):
             log.warning("%s: %d of %d examples were truncated to fit model.max_length=%d (or the task's "
                         "reference limits)", split, n, len(items), s.model.max_length)
     objective = build_objective(s.task, data, enc, tok, s.model.max_length, s.train.eval_batch_size)
     objective = dataclasses.replace(objective, token_weighted=s.train.lm_reduction == "token")
-    scorer = Scorer.of(model, tok, family, loaded.device, objective)  # one scorer, the task's objective in it
+    scorer = dataclasses.replace(scorer, objective=objective)  # one scorer, the task's objective in it
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = build_optimizer(s, named)
     if zeroth_order(optimizer) and s.optimizer.config.batches_queries:  # every trainable parameter must sit in a

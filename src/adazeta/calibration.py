@@ -26,25 +26,24 @@ import torch
 from adazeta.errors import ConfigError
 from adazeta.evaluate import evaluate
 from adazeta.scoring import Encoded, Scorer
-from adazeta.tasks.spec import Example, TaskSpec, render
+from adazeta.tasks.spec import BoundTask, Example
 
 CALIBRATIONS = ("none", "contextual", "prior")
 CONTENT_FREE = ("N/A", "", "[MASK]")  # Zhao et al.'s content-free inputs
 
 
-def content_free_examples(spec: TaskSpec, family: str, mask_token: str | None = None) -> list[Example]:
+def content_free_examples(task: BoundTask) -> list[Example]:
     """The task's template with every input field (``text_fields``) replaced by each content-free string."""
-    fmt = spec.prompt_format(family)
-    if fmt.hook or not fmt.candidates:
+    if task.format.hook or not task.candidates:
         raise ConfigError(f"method.calibration=contextual needs a template with a fixed candidate set; task "
-                          f"{spec.name!r} builds its prompts or candidates per example: use calibration=prior or none")
+                          f"{task.name!r} builds its prompts or candidates per example: use calibration=prior or none")
     out = []
     for text in CONTENT_FREE:
-        row = {field: text for field in spec.text_fields}
+        row = {field: text for field in task.spec.text_fields}
         try:
-            out.append(render(spec, family, row, 0, mask_token))
+            out.append(task.render(row, 0))
         except (ConfigError, KeyError) as err:
-            raise ConfigError(f"method.calibration=contextual: task {spec.name!r}'s template uses a field outside "
+            raise ConfigError(f"method.calibration=contextual: task {task.name!r}'s template uses a field outside "
                               f"task.text_fields ({err}); list every input field there") from None
     return out
 

@@ -10,7 +10,7 @@ label word in place of the mask (masked, as in LM-BFF). Two protocols (``method.
   evaluated example i gets its own k demonstrations, drawn from the *whole* train split with the seed
   ``RandomState(0).randint(0, 10000, n)[i]`` (``permutation(len(train))[:k]``); each demonstration stripped, joined
   by the separator, the whole prompt left-stripped; a prompt too long is cut on the left, token by token, keeping
-  BOS (``scoring.encode``'s MeZO cut).
+  BOS (``Scorer.encode``'s MeZO cut).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 
 from adazeta.errors import ConfigError
 from adazeta.tasks.loaders import TaskData
-from adazeta.tasks.spec import Example
+from adazeta.tasks.spec import BoundTask, Example
 
 
 @dataclass
@@ -54,14 +54,14 @@ def sample_demonstrations(train: Sequence[Example], k: int, seed: int) -> list[E
     return [train[i] for i in order]
 
 
-def demonstration_text(example: Example, family: str, mask_token: str | None = None) -> str:
+def demonstration_text(example: Example, task: BoundTask) -> str:
     """A solved example: prompt + gold answer (causal), or the prompt with the gold word at the mask (masked).
 
     Masked templates put no space before the mask because the label word's token carries it (`` great``, as
     in LM-BFF), so the word goes in with its space: "It was{mask}." becomes "It was great.".
     """
-    answer = example.candidates[example.gold]
-    if family == "masked":
+    answer, mask_token = example.candidates[example.gold], task.mask_token
+    if task.family == "masked":
         if mask_token is None or mask_token not in example.prompt:
             raise ConfigError("masked demonstrations need the tokenizer's mask token in the prompt")
         return example.prompt.replace(mask_token, " " + answer.strip(), 1)
@@ -69,12 +69,13 @@ def demonstration_text(example: Example, family: str, mask_token: str | None = N
     return (example.prompt + answer).rstrip("\n")
 
 
-def fits_in(tokenizer: Any, family: str, max_length: int) -> Callable[[str, Sequence[str]], bool]:
-    """Whether a prompt and its longest candidate fit ``max_length`` tokens, counted as ``scoring.encode`` does."""
-    bos = 1 if family == "causal" and getattr(tokenizer, "add_bos_token", False) else 0
+def fits_in(tokenizer: Any, task: BoundTask, max_length: int) -> Callable[[str, Sequence[str]], bool]:
+    """Whether a prompt and its longest candidate fit ``max_length`` tokens, counted as ``Scorer.encode`` does."""
+    masked = task.family == "masked"
+    bos = 1 if not masked and getattr(tokenizer, "add_bos_token", False) else 0
 
     def fits(prompt: str, candidates: Sequence[str]) -> bool:
-        if family == "masked":
+        if masked:
             return len(tokenizer(prompt, add_special_tokens=True)["input_ids"]) <= max_length
         # The shared prompt and a candidate's ids together are the joint tokenisation of prompt + candidate.
         texts = [prompt + c for c in candidates] or [prompt]
@@ -87,12 +88,11 @@ def prepend_demonstrations(
     examples: Sequence[Example],
     demonstrations: Sequence[Example],
     separator: str,
-    family: str,
+    task: BoundTask,
     fits: Callable[[str, Sequence[str]], bool],
-    mask_token: str | None = None,
 ) -> list[Example]:
     """Each example with the demonstrations before its prompt; ``meta["demonstrations"]`` says how many fit."""
-    blocks = [demonstration_text(d, family, mask_token) for d in demonstrations]
+    blocks = [demonstration_text(d, task) for d in demonstrations]
     out = []
     for ex in examples:
 
@@ -114,14 +114,14 @@ def prepend_demonstrations(
 
 
 def add_demonstrations_(
-    data: TaskData, cfg: DemonstrationConfig, tokenizer: Any, family: str, max_length: int, run_seed: int
+    data: TaskData, cfg: DemonstrationConfig, tokenizer: Any, task: BoundTask, max_length: int, run_seed: int
 ) -> float:
     """Prepend demonstrations from ``data.train`` to every dev and test prompt, in place.
 
     Returns the mean number of demonstrations that fit a test prompt (k unless ``max_length`` dropped some).
     """
-    data.dev = with_demonstrations(data.dev, data, cfg, tokenizer, family, max_length, run_seed)
-    data.eval = with_demonstrations(data.eval, data, cfg, tokenizer, family, max_length, run_seed)
+    data.dev = with_demonstrations(data.dev, data, cfg, tokenizer, task, max_length, run_seed)
+    data.eval = with_demonstrations(data.eval, data, cfg, tokenizer, task, max_length, run_seed)
     return sum(e.meta["demonstrations"] for e in data.eval) / max(len(data.eval), 1)
 
 
@@ -137,16 +137,15 @@ def per_example_indices(n_examples: int, n_train: int, k: int) -> list[list[int]
 
 
 def add_per_example_demonstrations_(
-    data: TaskData, cfg: DemonstrationConfig, n_train: int, train_example: Callable[[int], Example], family: str,
-    mask_token: str | None = None,
+    data: TaskData, cfg: DemonstrationConfig, n_train: int, train_example: Callable[[int], Example], task: BoundTask,
 ) -> float:
     """Each dev and test example with its own k demonstrations from the whole train split (``train_example(i)``
-    renders train row i), in place; returns k (a prompt too long is cut by ``encode``, not by dropping)."""
+    renders train row i), in place; returns k (a prompt too long is cut by ``Scorer.encode``, not by dropping)."""
     cache: dict[int, str] = {}
 
     def text(i: int) -> str:
         if i not in cache:
-            cache[i] = demonstration_text(train_example(i), family, mask_token).strip()
+            cache[i] = demonstration_text(train_example(i), task).strip()
         return cache[i]
 
     for split in ("dev", "eval"):
@@ -160,10 +159,9 @@ def add_per_example_demonstrations_(
 
 
 def with_demonstrations(
-    examples: Sequence[Example], data: TaskData, cfg: DemonstrationConfig, tokenizer: Any, family: str,
+    examples: Sequence[Example], data: TaskData, cfg: DemonstrationConfig, tokenizer: Any, task: BoundTask,
     max_length: int, run_seed: int,
 ) -> list[Example]:
     """``examples`` with the run's demonstrations (drawn from ``data.train`` with the seed) before each prompt."""
     shots = sample_demonstrations(data.train, cfg.k, run_seed if cfg.seed is None else cfg.seed)
-    fits, mask_token = fits_in(tokenizer, family, max_length), getattr(tokenizer, "mask_token", None)
-    return prepend_demonstrations(examples, shots, cfg.separator, family, fits, mask_token)
+    return prepend_demonstrations(examples, shots, cfg.separator, task, fits_in(tokenizer, task, max_length))

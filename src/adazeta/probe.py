@@ -18,7 +18,7 @@ import torch
 
 from adazeta.errors import ConfigError
 from adazeta.evaluate import EvalResult, Predictions
-from adazeta.scoring import Encoded, Scorer, lm_parts
+from adazeta.scoring import Encoded, Scorer
 from adazeta.tracking import Tracker
 from adazeta.train import Outcome
 
@@ -54,7 +54,7 @@ class ProbeConfig:
 def prompt_features(scorer: Scorer, items: Sequence[Encoded], batch_size: int) -> np.ndarray:
     """(N, H) float32 final hidden states at each prompt's last token (causal) or its mask (masked)."""
     model, family, device, pad_id, mask_id = scorer.model, scorer.family, scorer.device, scorer.pad_id, scorer.mask_id
-    backbone, _ = lm_parts(model, family)
+    backbone, _ = scorer.parts()
     model.eval()
     order = sorted(range(len(items)), key=lambda i: len(items[i].prompt))  # similar lengths: less padding
     out = np.zeros((len(items), 0), dtype=np.float32)

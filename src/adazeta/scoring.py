@@ -555,10 +555,12 @@ def replica_losses(
 
 @dataclass
 class Scorer:
-    """How a run scores examples: its model and what collating and scoring need besides it.
+    """How a run scores examples: its model and what encoding, collating and scoring need besides it.
 
-    Built once from the loaded model (``Scorer.of``, or ``adazeta.build.Built.scorer``); the training loop, evaluation,
-    first-order steps and the tools take it instead of the model, family, pad / mask ids, device and objective.
+    The one scoring API outside this module: built once from the loaded model (``Scorer.of``, or
+    ``adazeta.build.Built.scorer``), it is what the training loop, evaluation, first-order steps and the tools take
+    instead of the model, tokenizer, family, pad / mask ids, device and objective, so that no caller names a
+    family again. The module's functions (``encode``, ``collate``, ``candidate_scores``, ...) are its parts.
     """
 
     model: nn.Module
@@ -570,16 +572,23 @@ class Scorer:
     objective: Objective = dataclasses.field(default_factory=Objective)
     # (C,) added to every example's candidate scores: a calibration of a training-free method (adazeta.calibration)
     bias: torch.Tensor | None = None
+    tokenizer: Any = None  # what ``encode`` tokenises with; None for a scorer of already encoded examples
 
     @classmethod
     def of(cls, model: nn.Module, tokenizer: Any, family: str = "causal", device: torch.device | str = "cpu",
            objective: Objective | None = None) -> "Scorer":
         return cls(model, family, tokenizer.pad_token_id, getattr(tokenizer, "mask_token_id", None),
-                   torch.device(device), objective or Objective())
+                   torch.device(device), objective or Objective(), tokenizer=tokenizer)
 
-    def collate(self, items: Sequence[Encoded]) -> Batch:
-        """``items`` as one batch on the model's device."""
-        return collate(items, self.family, self.pad_id, self.mask_id).to(self.device)
+    def encode(self, examples: Sequence[Example], max_length: int) -> list[Encoded]:
+        """Token ids of ``examples`` as this family scores them, cut to ``max_length`` (``encode``)."""
+        if self.tokenizer is None:
+            raise ValueError("this scorer has no tokenizer to encode with; build it with Scorer.of(model, tokenizer)")
+        return encode(examples, self.tokenizer, self.family, max_length)
+
+    def collate(self, items: Sequence[Encoded], layout: str = "packed") -> Batch:
+        """``items`` as one batch on the model's device; ``layout``: packed or rows (masked LMs always use rows)."""
+        return collate(items, self.family, self.pad_id, self.mask_id, layout).to(self.device)
 
     def batches(self, encoded: Sequence[Encoded], batch_size: int, sort: bool = False) -> list[Batch]:
         """All of ``encoded`` in batches of ``batch_size`` on the model's device (``sort``: for evaluation)."""
@@ -592,6 +601,10 @@ class Scorer:
             batch.index = tuple(chunk)
             out.append(batch)
         return out
+
+    def parts(self) -> tuple[nn.Module, nn.Module]:
+        """(backbone, head) of the model (``lm_parts``): hidden states, then vocabulary logits where scored."""
+        return lm_parts(self.model, self.family)
 
     def scores(self, batch: Batch) -> torch.Tensor:
         """(B, max_candidates) candidate scores (``candidate_scores``), plus the calibration ``bias`` if any."""

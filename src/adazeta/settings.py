@@ -25,7 +25,7 @@ from adazeta.probe import ProbeConfig
 from adazeta.registry import check_type, make_config, show
 from adazeta.schedules import SCHEDULES
 from adazeta.tasks.loaders import DataConfig
-from adazeta.tasks.spec import TaskSpec
+from adazeta.tasks.spec import BoundTask, TaskSpec
 from adazeta.guards import GuardConfig
 from adazeta.tracking import DivergenceConfig, WandbConfig
 from adazeta.train import TrainConfig
@@ -64,6 +64,11 @@ class Settings:
     calibration: str = "none"  # training-free scoring: none | contextual | prior (adazeta.calibration)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)  # several processes
     guard: GuardConfig = dataclasses.field(default_factory=GuardConfig)  # numerical guards (adazeta.guards)
+
+    def bound_task(self) -> BoundTask:
+        """The task as the run's model family sees it (``TaskSpec.for_family``): what the checks before loading
+        read. It refuses a task without the family's prompt format; ``build`` adds the tokenizer's mask token."""
+        return self.task.for_family(self.model.family)
 
 
 def _plain(node: Any) -> Any:

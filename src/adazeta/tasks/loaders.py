@@ -30,7 +30,7 @@ import numpy as np
 
 from adazeta.errors import ConfigError
 from adazeta.tasks.hooks import FLATTENERS
-from adazeta.tasks.spec import Example, HubSource, LocalSource, TaskSpec, render
+from adazeta.tasks.spec import BoundTask, Example, HubSource, LocalSource, TaskSpec
 
 log = logging.getLogger("adazeta")
 
@@ -89,9 +89,8 @@ def _split_files(local: LocalSource, split: str) -> tuple[str, list[str]]:
 
 
 def local_files(
-    spec: TaskSpec,
+    task: BoundTask,
     data_dir: str,
-    family: str = "causal",
     k: int = 16,
     kshot_seed: int = 13,
     splits: Sequence[str] = ("train", "dev", "eval"),
@@ -102,15 +101,15 @@ def local_files(
     ``needed_by`` says what needs the splits (e.g. "method 'icl' needs the train split for its demonstrations"):
     it opens the missing-file message, so that a user learns why a file they did not expect to need is missing.
     """
-    _, local = spec.sources(family)
+    local = task.local
     if local is None:
         raise ConfigError(
-            f"task {spec.name!r} has no local data layout; unset {DATA_DIR_ENV} (and data.dir) to load it from the Hub"
+            f"task {task.name!r} has no local data layout; unset {DATA_DIR_ENV} (and data.dir) to load it from the Hub"
         )
     base = Path(data_dir).expanduser()
     hint = local.note or (
         f"point {DATA_DIR_ENV} (or data.dir) at the folder that holds {local.dir}/, "
-        f"or unset it to download {spec.name} from the Hub"
+        f"or unset it to download {task.name} from the Hub"
     )
     files: dict[str, list[Path]] = {}
     for split in splits:
@@ -130,7 +129,7 @@ def local_files(
                 why = f"{needed_by}: " if needed_by else ""
                 raise ConfigError(f"{why}{_not_a_file(path)}: {path}; {hint}")
     if not all(files[s] for s in splits if s != "dev"):
-        raise ConfigError(f"task {spec.name!r}: local.train and local.eval must each name at least one file")
+        raise ConfigError(f"task {task.name!r}: local.train and local.eval must each name at least one file")
     return files
 
 
@@ -150,27 +149,26 @@ def _not_a_file(path: Path) -> str:
     return "data file not found"
 
 
-def check_data(spec: TaskSpec, data: DataConfig, family: str, train_needed_by: str | None = None) -> None:
-    """Start-up checks that need no model: the task has the family's format, and its local files exist.
+def check_data(task: BoundTask, data: DataConfig, train_needed_by: str | None = None) -> None:
+    """Start-up checks that need no model: the task's local files exist (binding it to the family checked that
+    the task has the family's format).
 
     The evaluation split is always needed. The train split is checked only when ``train_needed_by`` names what
     needs it (training, ICL's demonstrations, the probe); zero-shot scores the evaluation split alone when the
     train split is absent (BoolQ's offline copy has only its validation file).
     """
-    _, local = spec.sources(family)  # refuses a task without the family's prompt format
-    if data.data_dir and local is not None:  # without a local layout the Hub serves the task (SQuAD, DROP)
+    if data.data_dir and task.local is not None:  # without a local layout the Hub serves the task (SQuAD, DROP)
         if train_needed_by is not None:
-            local_files(spec, data.data_dir, family, data.k, data.kshot_seed, ("train",), train_needed_by)
-        local_files(spec, data.data_dir, family, data.k, data.kshot_seed, ("dev", "eval"))
+            local_files(task, data.data_dir, data.k, data.kshot_seed, ("train",), train_needed_by)
+        local_files(task, data.data_dir, data.k, data.kshot_seed, ("dev", "eval"))
 
 
-def split_available(spec: TaskSpec, family: str, split: str, data: DataConfig) -> bool:
+def split_available(task: BoundTask, split: str, data: DataConfig) -> bool:
     """Whether ``split`` can be read: its local files exist, or (without a local layout) the Hub serves it."""
-    _, local = spec.sources(family)
-    if not (data.data_dir and local is not None):
+    if not (data.data_dir and task.local is not None):
         return True
     try:
-        local_files(spec, data.data_dir, family, data.k, data.kshot_seed, splits=(split,))
+        local_files(task, data.data_dir, data.k, data.kshot_seed, splits=(split,))
     except ConfigError:
         return False
     return True
@@ -402,42 +400,42 @@ def hub_rows(spec: TaskSpec, hub: HubSource, split: str, offline_hint: str = "")
     return Rows(spec, where, f"hub:{dataset_id}", dataset=ds, label_names=names)
 
 
-def split_rows(spec: TaskSpec, family: str, split: str, data: DataConfig) -> Rows:
+def split_rows(task: BoundTask, split: str, data: DataConfig) -> Rows:
     """The rows of ``split`` (train, dev or eval) from local files when a data directory is set, else the Hub."""
-    hub, local = spec.sources(family)
+    hub, local = task.hub, task.local
     if data.data_dir and local is not None:
-        paths = local_files(spec, data.data_dir, family, data.k, data.kshot_seed, splits=(split,))[split]
-        return local_rows(spec, local, paths)
+        paths = local_files(task, data.data_dir, data.k, data.kshot_seed, splits=(split,))[split]
+        return local_rows(task.spec, local, paths)
     if hub is None:
-        raise ConfigError(f"task {spec.name!r} has no Hub source; set {DATA_DIR_ENV} to a local data folder")
+        raise ConfigError(f"task {task.name!r} has no Hub source; set {DATA_DIR_ENV} to a local data folder")
     if data.data_dir:
-        log.info("task %s has no local layout for %s models: loading it from the Hub", spec.name, family)
+        log.info("task %s has no local layout for %s models: loading it from the Hub", task.name, task.family)
     if split == "dev":
         raise ValueError("Hub sources have no fixed dev split; dev is sampled from train")
     hint = f", or set {DATA_DIR_ENV} to a folder with local copies" if local is not None else ""
-    return hub_rows(spec, hub, hub.train_split if split == "train" else hub.eval_split, hint)
+    return hub_rows(task.spec, hub, hub.train_split if split == "train" else hub.eval_split, hint)
 
 
-def validate_local_rows(spec: TaskSpec, data: DataConfig, family: str, with_train: bool) -> int:
+def validate_local_rows(task: BoundTask, data: DataConfig, with_train: bool) -> int:
     """Read and check every row of the local splits a run will use, before any model loads; return the count.
 
     Each row must decode as UTF-8, parse, hold every text field and a known label; the first row
     that does not is named as ``path:line``. Every row is checked, not only those a seed samples, so a bad file
     fails the same way whatever the seed. Splits served by the Hub are checked as they load.
     """
-    _, local = spec.sources(family)
+    local = task.local
     if not data.data_dir or local is None:
         return 0
     splits = ["eval"]
-    if with_train or split_available(spec, family, "train", data):
+    if with_train or split_available(task, "train", data):
         splits.insert(0, "train")
-        if family == "masked" and local.kshot:
+        if task.family == "masked" and local.kshot:
             splits.insert(1, "dev")
     total = 0
     for split in splits:
-        rows = split_rows(spec, family, split, data)
+        rows = split_rows(task, split, data)
         if len(rows) == 0:
-            files = ", ".join(str(p) for p in local_files(spec, data.data_dir, family, data.k, data.kshot_seed,
+            files = ", ".join(str(p) for p in local_files(task, data.data_dir, data.k, data.kshot_seed,
                                                           (split,))[split])
             raise ConfigError(f"{files}: no rows in the {split} split; the file is empty or holds only a header")
         rows.check()
@@ -446,10 +444,10 @@ def validate_local_rows(spec: TaskSpec, data: DataConfig, family: str, with_trai
 
 
 def load_rows(
-    spec: TaskSpec, split: str, data_dir: str | None, family: str = "causal", k: int = 16, kshot_seed: int = 13
+    task: BoundTask, split: str, data_dir: str | None, k: int = 16, kshot_seed: int = 13
 ) -> tuple[list[dict[str, Any]], str]:
     """Every row of ``split`` with labels normalised to indices under the key ``label``."""
-    rows = split_rows(spec, family, split, DataConfig(dir=data_dir, k=k, kshot_seed=kshot_seed))
+    rows = split_rows(task, split, DataConfig(dir=data_dir, k=k, kshot_seed=kshot_seed))
     return rows.take(range(len(rows))), rows.source
 
 
@@ -503,31 +501,31 @@ def describe_source(train: Rows, test: Rows) -> str:
     return train.source if train.source == test.source else f"{train.source} (test: {test.source})"
 
 
-def load_task(
-    spec: TaskSpec, data: DataConfig, family: str, seed: int, mask_token: str | None = None, need_train: bool = True
-) -> TaskData:
-    """The train, dev and test examples of the family's protocol (MeZO or LM-BFF), rendered with its template.
+def load_task(task: BoundTask, data: DataConfig, seed: int, need_train: bool = True) -> TaskData:
+    """The train, dev and test examples of the task's family's protocol (MeZO or LM-BFF), rendered with its
+    template (a masked task is bound with the tokenizer's mask token).
 
     ``need_train=False`` (zero-shot): a missing train split leaves train and dev empty instead of failing; when the
     split is there, dev is drawn from it exactly as for a training method.
     """
 
     def make(rows: Rows, idx: Sequence[int]) -> list[Example]:
-        examples = [render(spec, family, r, r.get("label", 0), mask_token) for r in rows.take(idx)]
+        examples = [task.render(r, r.get("label", 0)) for r in rows.take(idx)]
         for example, i in zip(examples, idx):  # the source row, for per-example predictions across runs
             example.row = int(i)
         return examples
 
+    spec = task.spec
     train_rows = None
-    if need_train or split_available(spec, family, "train", data):
-        train_rows = split_rows(spec, family, "train", data)
+    if need_train or split_available(task, "train", data):
+        train_rows = split_rows(task, "train", data)
     else:
         log.info("task %s: no train split; a training-free run goes on without it (and without a dev set drawn "
                  "from it)", spec.name)
-    if family == "masked":
-        return _load_kshot(spec, data, make, train_rows)
+    if task.family == "masked":
+        return _load_kshot(task, data, make, train_rows)
     data_seed = seed if data.seed is None else data.seed
-    eval_rows = split_rows(spec, family, "eval", data)
+    eval_rows = split_rows(task, "eval", data)
     train: list[Example] = []
     dev: list[Example] = []
     if train_rows is not None:
@@ -546,22 +544,22 @@ def load_task(
     return TaskData(train, dev, test, describe_source(eval_rows if train_rows is None else train_rows, eval_rows))
 
 
-def _load_kshot(spec: TaskSpec, data: DataConfig, make: Any, train_rows: Rows | None) -> TaskData:
+def _load_kshot(task: BoundTask, data: DataConfig, make: Any, train_rows: Rows | None) -> TaskData:
     """LM-BFF protocol: the k-shot folder as is, or k per class sampled from the Hub (or original local files)."""
-    _, local = spec.sources("masked")
+    local = task.local
     seed = data.kshot_seed
     train: list[Example] = []
     dev: list[Example] = []
     if data.data_dir and local is not None and local.kshot:
         if train_rows is not None:
             train = make(train_rows, range(len(train_rows)))
-        if train_rows is not None or split_available(spec, "masked", "dev", data):
-            dev_rows = split_rows(spec, "masked", "dev", data)
+        if train_rows is not None or split_available(task, "dev", data):
+            dev_rows = split_rows(task, "dev", data)
             dev = make(dev_rows, range(len(dev_rows)))
     elif train_rows is not None:
         train_idx, dev_idx = kshot_indices(train_rows.labels(), data.k, seed)
         train, dev = make(train_rows, train_idx), make(train_rows, dev_idx)
-    eval_rows = split_rows(spec, "masked", "eval", data)
+    eval_rows = split_rows(task, "eval", data)
     eval_idx = sample_indices(len(eval_rows), data.num_eval, np.random.RandomState(LMBFF_TEST_SEED))
     source = describe_source(eval_rows if train_rows is None else train_rows, eval_rows)
     return TaskData(train, dev, make(eval_rows, eval_idx), source)

@@ -180,20 +180,22 @@ class TaskSpec:
         if family == "masked" and "mask" not in {n for n, _ in template_fields(fmt.template, where)}:
             raise ConfigError(f"{where}.template has no {{mask}}; a masked template needs the mask position")
 
-    def prompt_format(self, family: str) -> PromptFormat:
+    def for_family(self, family: str, mask_token: str | None = None) -> "BoundTask":
+        """The task as ``family``'s models see it: its protocol's sources and its prompt format, resolved once.
+
+        ``mask_token``: a masked model's tokenizer fills ``{mask}`` with it; unknown before the tokenizer loads, so
+        the checks before loading bind without it and ``BoundTask.with_mask`` adds it.
+        """
         fmt = getattr(self, family, None)
         if fmt is None:
             raise ConfigError(
                 f"task {self.name!r} has no prompt format for {family} models; pick another task or model"
             )
-        return fmt
-
-    def sources(self, family: str) -> tuple[HubSource | None, LocalSource | None]:
-        """(hub, local) data sources of the family's protocol."""
-        self.prompt_format(family)
         if family == "masked":
-            return self.masked_data.hub, self.masked_data.local  # type: ignore[union-attr]
-        return self.hub, self.local
+            hub, local = self.masked_data.hub, self.masked_data.local  # type: ignore[union-attr]
+        else:
+            hub, local = self.hub, self.local
+        return BoundTask(self, family, fmt, hub, local, mask_token)
 
     def label_index(self, value: Any, where: str) -> int:
         """Normalise a raw label to its index in ``labels``: exact value, then case-insensitive text, then an index.
@@ -212,6 +214,58 @@ class TaskSpec:
         if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(self.labels):
             return value
         raise ConfigError(f"{where}: label {value!r} is not one of {self.labels}")
+
+
+@dataclass(frozen=True)
+class BoundTask:
+    """A task bound to one model family (``TaskSpec.for_family``): what the loaders, the templates, calibration and
+    ICL need, resolved once, so that no step asks the spec for the family's sources or format again.
+
+    ``hub`` / ``local`` are the family's protocol sources (masked: ``masked_data``'s), ``format`` its prompt format.
+    """
+
+    spec: TaskSpec
+    family: str  # causal | masked
+    format: PromptFormat
+    hub: HubSource | None
+    local: LocalSource | None
+    mask_token: str | None = None  # the tokenizer's mask token, which a masked template's {mask} holds
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def candidates(self) -> list[str]:
+        return self.format.candidates
+
+    def with_mask(self, mask_token: str | None) -> "BoundTask":
+        """The same task with the tokenizer's mask token, once the tokenizer is loaded."""
+        return dataclasses.replace(self, mask_token=mask_token)
+
+    def render(self, row: dict[str, Any], gold: int) -> Example:
+        """Render one row with the family's template. Deterministic: the same row always gives the same text."""
+        spec, fmt = self.spec, self.format
+        if fmt.hook:
+            example = HOOKS.get(fmt.hook).builder(spec, fmt, row, gold)
+            return _lstrip(example) if self.family == "causal" else example
+        values = dict(row)
+        if self.family == "masked":
+            if self.mask_token is None:
+                raise ConfigError(f"task {spec.name!r}: masked template needs the tokenizer's mask token")
+            values["mask"] = self.mask_token
+            pieces = fill_parts(fmt.template, values, f"task {spec.name!r}")
+            # For encoding as LM-BFF does (``Scorer.encode``): the parts one by one, each sentence within its limit.
+            meta = {
+                "parts": [text for text, _ in pieces],
+                "sentences": [i for i, (_, name) in enumerate(pieces) if name not in (None, "mask")],
+                "limits": {"first_sent_limit": fmt.first_sent_limit, "other_sent_limit": fmt.other_sent_limit,
+                           "max_length": fmt.max_length},
+            }
+            return Example("".join(text for text, _ in pieces), list(fmt.candidates), gold, meta)
+        # MeZO's encode_prompt strips the leading whitespace of every prompt (``.lstrip()``): a paragraph that starts
+        # with a space or a newline does not start the prompt with it.
+        return Example(fill(fmt.template, values, f"task {spec.name!r}").lstrip(), list(fmt.candidates), gold)
 
 
 @dataclass
@@ -277,7 +331,7 @@ def fill_parts(template: str, row: dict[str, Any], where: str = "template") -> l
 
     A literal's trailing space before a field goes with the field (``", {hypothesis}"`` gives ``","`` and
     ``" the hypothesis"``): these are the parts LM-BFF's template language encodes one by one (``*,*`` and
-    ``*+sentl_1*``), so that a masked prompt is tokenised as LM-BFF tokenises it (``scoring.encode``).
+    ``*+sentl_1*``), so that a masked prompt is tokenised as LM-BFF tokenises it (``Scorer.encode``).
     """
     parts: list[tuple[str, str | None]] = []
     for literal, spec, _, _ in string.Formatter().parse(template):
@@ -305,31 +359,6 @@ def fill_parts(template: str, row: dict[str, Any], where: str = "template") -> l
 def fill(template: str, row: dict[str, Any], where: str = "template") -> str:
     """Fill ``{field}`` / ``{field|filter}`` placeholders from the row, naming the missing field if there is one."""
     return "".join(text for text, _ in fill_parts(template, row, where))
-
-
-def render(spec: TaskSpec, family: str, row: dict[str, Any], gold: int, mask_token: str | None = None) -> Example:
-    """Render one row with the family's template. Deterministic: the same row always gives the same text."""
-    fmt = spec.prompt_format(family)
-    if fmt.hook:
-        example = HOOKS.get(fmt.hook).builder(spec, fmt, row, gold)
-        return _lstrip(example) if family == "causal" else example
-    values = dict(row)
-    if family == "masked":
-        if mask_token is None:
-            raise ConfigError(f"task {spec.name!r}: masked template needs the tokenizer's mask token")
-        values["mask"] = mask_token
-        pieces = fill_parts(fmt.template, values, f"task {spec.name!r}")
-        # For encoding as LM-BFF does (``scoring.encode``): the parts one by one, each sentence within its limit.
-        meta = {
-            "parts": [text for text, _ in pieces],
-            "sentences": [i for i, (_, name) in enumerate(pieces) if name not in (None, "mask")],
-            "limits": {"first_sent_limit": fmt.first_sent_limit, "other_sent_limit": fmt.other_sent_limit,
-                       "max_length": fmt.max_length},
-        }
-        return Example("".join(text for text, _ in pieces), list(fmt.candidates), gold, meta)
-    # MeZO's encode_prompt strips the leading whitespace of every prompt (``.lstrip()``): a paragraph that starts
-    # with a space or a newline does not start the prompt with it.
-    return Example(fill(fmt.template, values, f"task {spec.name!r}").lstrip(), list(fmt.candidates), gold)
 
 
 def _lstrip(example: Example) -> Example:

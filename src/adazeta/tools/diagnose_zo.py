@@ -18,11 +18,14 @@ import csv
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from adazeta.tools.offline import use_shared
+
+if TYPE_CHECKING:
+    from adazeta.scoring import Scorer
 
 COLUMNS = ["step", "loss", "n_queries", "forward_passes", "param_norm", "update_norm", "dev_loss", "dev_accuracy",
            "tied_fraction", "final_norm_input_rms", "max_adapter_gain", "overflow_fraction"]
@@ -31,14 +34,14 @@ COLUMNS = ["step", "loss", "n_queries", "forward_passes", "param_norm", "update_
 class Probes:
     """Forward hooks: the residual stream entering the final norm, and every adapter's relative change."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, scorer: "Scorer"):
         from adazeta.adapters.bottleneck import BottleneckAdapter
         from adazeta.adapters.tt import TTAdapter
-        from adazeta.scoring import lm_parts
 
         self.sq_sum = self.count = self.overflow = 0.0
         self.max_gain = 0.0
-        backbone, _ = lm_parts(model, "causal")
+        model = scorer.model
+        backbone, _ = scorer.parts()
         norm = getattr(backbone, "norm", None) or getattr(backbone, "final_layernorm", None)
         self.handles = []
         if norm is not None:
@@ -75,7 +78,7 @@ class Diagnosis:
         self.model = scorer.model
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.previous = [p.detach().clone() for p in self.params]
-        self.probes = Probes(self.model)
+        self.probes = Probes(scorer)
 
     def on_step(self, step: int, row: dict[str, Any], optimizer) -> None:
         self.write()

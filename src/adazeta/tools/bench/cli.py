@@ -16,7 +16,7 @@ import torch
 from adazeta.optim.spsa import NOISE_STREAMS
 from adazeta.results import cpu_name, git_state, package_versions
 from adazeta.build import seed_everything
-from adazeta.scoring import collate
+from adazeta.scoring import Scorer
 from adazeta.tools import bench as package
 from adazeta.tools.bench import common
 from adazeta.tools.bench.common import MODELS, ZO_METHODS, Report, backbone, chunk_arg, settings_for, setup_for
@@ -38,10 +38,11 @@ def measure_speed(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     plain = backbone(args, s)
     # AdaZeta's model is a copy, so that plain and adapted forwards can be timed side by side.
     setup = setup_for(args, plain=plain)
-    batch = collate(setup.items, "causal", setup.tokenizer.pad_token_id).to(setup.device)
-    info = measure_forwards(args, report, setup, plain.model, batch)
+    batch = setup.scorer.collate(setup.items)
+    plain_scorer = Scorer.of(plain.model, plain.tokenizer, plain.family, plain.device)
+    info = measure_forwards(args, report, setup, plain_scorer, batch)
     measure_methods(args, report, plain, batch)
-    del plain  # the plain backbone goes before the steps: from here on, the adapted model alone
+    del plain, plain_scorer  # the plain backbone goes before the steps: from here on, the adapted model alone
     measure_zo_steps(args, report, setup, batch)
     if args.scaling_sizes:
         measure_scaling(args, report, setup)

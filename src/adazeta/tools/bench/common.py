@@ -21,7 +21,7 @@ import torch
 
 from adazeta.models import LoadedModel, ModelSource, architecture_config, load_model, resolve_device
 from adazeta.build import Built, build, build_optimizer, compose_settings, seed_everything
-from adazeta.scoring import Encoded, batch_loss, encode
+from adazeta.scoring import Encoded, Scorer
 from adazeta.settings import Settings
 from adazeta.tasks.loaders import TaskData, load_task
 from adazeta.tracking import quiet_third_party, sync
@@ -79,6 +79,11 @@ class Setup:
     @property
     def device(self) -> torch.device:
         return self.built.device
+
+    @property
+    def scorer(self) -> Scorer:
+        """How the method's model scores the batch: the run's scorer (``Built.scorer``), the task's objective in it."""
+        return self.built.scorer
 
 
 def random_weights(args: argparse.Namespace) -> bool:
@@ -153,15 +158,15 @@ def synthetic_items(task: str, n: int, seed: int, vocab: int) -> list[Encoded]:
                     [list(c) for c in candidates], i % len(candidates)) for i in range(n)]
 
 
-def bench_items(args: argparse.Namespace, s: Settings, tok: Any, task: str, n: int) -> list[Encoded]:
-    """``n`` encoded training examples of ``task`` (the scaling rows' prompts): the project's loader and template,
-    or synthetic (random weights). The task data alone: a build would load another model."""
+def bench_items(args: argparse.Namespace, s: Settings, scorer: Scorer, task: str, n: int) -> list[Encoded]:
+    """``n`` training examples of ``task`` (the scaling rows' prompts) encoded by ``scorer``: the project's loader
+    and template, or synthetic (random weights). The task data alone: a build would load another model."""
     if random_weights(args):
         return synthetic_items(task, n, s.seed, VOCAB)
     if task != s.task.name:
         s = settings_for(args, "adazeta", task)
-    data = load_task(s.task, s.data, "causal", s.seed, None)
-    return encode(data.train[:n], tok, "causal", s.model.max_length)
+    data = load_task(s.bound_task(), s.data, s.seed)
+    return scorer.encode(data.train[:n], s.model.max_length)
 
 
 def setup_for(args: argparse.Namespace, method: str = "adazeta", extra: Sequence[str] = (),
@@ -197,10 +202,11 @@ def first_order_optimizer(args: argparse.Namespace, setup: Setup) -> torch.optim
     return build_optimizer(settings_for(args, "tt_adapter"), setup.built.named)
 
 
-def first_order_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+def first_order_step(scorer: Scorer, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    model = scorer.model
     model.train()
     opt.zero_grad(set_to_none=True)
-    loss = batch_loss(model, batch, "causal")
+    loss = scorer.loss(batch)
     loss.backward()
     opt.step()
     model.eval()

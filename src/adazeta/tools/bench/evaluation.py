@@ -9,16 +9,14 @@ import functools
 import torch
 
 from adazeta.evaluate import evaluate
-from adazeta.scoring import Scorer
 from adazeta.tools.bench.common import Report, Setup, Stats, timed
 
 
 def measure_evaluation(args: argparse.Namespace, report: Report, setup: Setup) -> None:
     """Evaluation of ``setup``'s dev examples, batched (``--eval-batch-size`` per forward) and one at a time."""
-    model, device, tok = setup.model, setup.device, setup.tokenizer
+    scorer, model, device = setup.scorer, setup.model, setup.device
     r, w = args.repeats, args.warmup
     n = len(setup.dev_items)
-    scorer = Scorer.of(model, tok, "causal", device)
     eval_sets = {
         f"batched ({args.eval_batch_size} per forward)": scorer.batches(setup.dev_items, args.eval_batch_size, sort=True),
         "one example at a time": scorer.batches(setup.dev_items, 1),

@@ -17,20 +17,20 @@ from torch import nn
 
 from adazeta.adapters import tt
 from adazeta.adapters.tt import TTAdapter
-from adazeta.scoring import Encoded, batch_loss, collate
+from adazeta.scoring import Encoded, Scorer
 from adazeta.tools.bench.common import Report, Setup, Stats, bench_items, timed
 from adazeta.tracking import sync
 
 REFERENCE_ROW = "reference zo_forward (TT adapters; a row per candidate, padded to x8, full-vocabulary log-softmax)"
 
 
-def measure_forwards(args: argparse.Namespace, report: Report, setup: Setup, model: torch.nn.Module, batch: Any
+def measure_forwards(args: argparse.Namespace, report: Report, setup: Setup, plain: Scorer, batch: Any
                      ) -> dict[str, Any]:
-    """The forwards of ``batch``: ``model`` (the plain backbone, packed and in the rows layout), ``setup``'s adapted
-    model and the reference computation on it; then the adapters' overhead and their own time. Returns the batch's
-    description (the .json's ``batch``), which it also prints."""
-    adapted_model, device, tok = setup.model, setup.device, setup.tokenizer
-    rows_batch = collate(setup.items, "causal", tok.pad_token_id, layout="rows").to(device)
+    """The forwards of ``batch``: ``plain`` (the plain backbone's scorer, packed and in the rows layout), ``setup``'s
+    adapted model and the reference computation on it; then the adapters' overhead and their own time. Returns the
+    batch's description (the .json's ``batch``), which it also prints."""
+    adapted, device, tok = setup.scorer, setup.device, setup.tokenizer
+    rows_batch = adapted.collate(setup.items, layout="rows")
     info = {
         "prompt_tokens": [len(e.prompt) for e in setup.items],
         "packed_rows_x_width": list(batch.input_ids.shape),
@@ -43,13 +43,13 @@ def measure_forwards(args: argparse.Namespace, report: Report, setup: Setup, mod
     r, w = args.repeats, args.warmup
     info["trainable_params"] = setup.built.trainable_params
     forwards = {
-        "plain, packed": lambda: batch_loss(model, batch, "causal"),
-        "plain, rows layout": lambda: batch_loss(model, rows_batch, "causal"),
-        "TT adapters, packed": lambda: batch_loss(adapted_model, batch, "causal"),
+        "plain, packed": lambda: plain.loss(batch),
+        "plain, rows layout": lambda: plain.loss(rows_batch),
+        "TT adapters, packed": lambda: adapted.loss(batch),
     }
     if not args.skip_reference:
         forwards[REFERENCE_ROW] = functools.partial(
-            reference_zo_forward, adapted_model, setup.items, tok.pad_token_id, device)
+            reference_zo_forward, adapted.model, setup.items, tok.pad_token_id, device)
     with torch.inference_mode():
         fwd = timed(forwards, device, r, w)
     for name, stats in fwd.items():
@@ -76,17 +76,16 @@ def measure_forwards(args: argparse.Namespace, report: Report, setup: Setup, mod
     if args.overhead_long_pairs:
         # The adapters' cost has a part per call (90 of them on SmolLM2) besides its part per token: over a
         # forward of longer prompts (RTE's) that part weighs less.
-        long_items = bench_items(args, setup.settings, tok, "rte", args.batch_size)
-        long_batch = collate(long_items, "causal", tok.pad_token_id).to(device)
+        long_items = bench_items(args, setup.settings, adapted, "rte", args.batch_size)
+        long_batch = adapted.collate(long_items)
         with torch.inference_mode():
-            long = timed({"plain": lambda: batch_loss(model, long_batch, "causal"),
-                          "adapted": lambda: batch_loss(adapted_model, long_batch, "causal")},
+            long = timed({"plain": lambda: plain.loss(long_batch), "adapted": lambda: adapted.loss(long_batch)},
                          device, args.overhead_long_pairs, min(w, 1))
         ratio = long["adapted"].over(long["plain"])
         report.add("forward", "TT adapters' forward overhead",
                    f"RTE prompts, {sum(len(e.prompt) for e in long_items)} tokens; adapted / plain - 1, "
                    f"{ratio.runs} pairs", Stats.of([x - 1 for x in ratio.samples]), "x")
-    measure_adapters_alone(args, report, adapted_model, batch, pairs["plain"])
+    measure_adapters_alone(args, report, adapted, batch, pairs["plain"])
     return info
 
 
@@ -124,14 +123,14 @@ def reference_zo_forward(model: torch.nn.Module, items: list[Encoded], pad_id: i
     return F.cross_entropy(per_row.view(-1, n_options).float(), gold)
 
 
-def measure_adapters_alone(args: argparse.Namespace, report: Report, model: torch.nn.Module, batch: Any,
+def measure_adapters_alone(args: argparse.Namespace, report: Report, scorer: Scorer, batch: Any,
                            plain: Stats) -> None:
     """The TT adapters' own time in a forward, two ways, against the plain forward's time: alone (every adapter
     run on the input it saw in one adapted forward of ``batch``, one after another) and in place (hooks around
     every adapter inside adapted forwards, their times summed per forward). Inside a forward each adapter runs
     after the backbone's large products, cold, so in place takes longer than alone; the pairs' ratio holds both
     and the rest of the adapted forward."""
-    adapters = [m for m in model.modules() if isinstance(m, TTAdapter)]
+    adapters = [m for m in scorer.model.modules() if isinstance(m, TTAdapter)]
     if not adapters:
         return
     inputs: dict[nn.Module, torch.Tensor] = {}
@@ -139,7 +138,7 @@ def measure_adapters_alone(args: argparse.Namespace, report: Report, model: torc
              for adapter in adapters]
     try:
         with torch.inference_mode():
-            batch_loss(model, batch, "causal")
+            scorer.loss(batch)
     finally:
         for hook in hooks:
             hook.remove()
@@ -174,7 +173,7 @@ def measure_adapters_alone(args: argparse.Namespace, report: Report, model: torc
         with torch.inference_mode():
             for i in range(args.warmup + max(args.repeats, 5)):
                 spent[0] = 0.0
-                batch_loss(model, batch, "causal")
+                scorer.loss(batch)
                 if i >= args.warmup:
                     in_place.append(spent[0])
     finally:

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from adazeta.optim.batched import ReplicaClosure
-from adazeta.scoring import batch_loss, collate, replica_losses
 from adazeta.tools.bench import common
 from adazeta.tools.bench.common import Report, chunk_arg, first_order_step, setup_for, zo_variant
 from adazeta.tools.bench_memory import _reset_rss_peak, _status_kib
@@ -40,19 +39,19 @@ def memory_phase(args: argparse.Namespace) -> dict[str, Any]:
         setup = setup_for(args, "tt_adapter")
     else:  # inference: a forward of AdaZeta's adapted model
         setup = setup_for(args, "adazeta")
-    model, device, opt = setup.model, setup.device, setup.built.optimizer
-    batch = collate(setup.items, "causal", setup.tokenizer.pad_token_id).to(device)
-    closure = ReplicaClosure(model, functools.partial(replica_losses, model, batch, "causal"), batch)
+    scorer, device, opt = setup.scorer, setup.device, setup.built.optimizer
+    batch = scorer.collate(setup.items)
+    closure = ReplicaClosure(scorer.model, functools.partial(scorer.replica_losses, batch), batch)
     if phase == "inference":
         def run() -> None:
             with torch.inference_mode():
-                float(batch_loss(model, batch, "causal"))
+                float(scorer.loss(batch))
     elif phase in ("adazeta", "adazeta_batched"):
         run = lambda: float(opt.step(closure, n_queries=args.memory_queries))  # noqa: E731
     elif phase == "method":  # Q = 1, sequential
-        run = lambda: float(opt.step(functools.partial(batch_loss, model, batch, "causal"), n_queries=1))  # noqa: E731
+        run = lambda: float(opt.step(functools.partial(scorer.loss, batch), n_queries=1))  # noqa: E731
     else:
-        run = lambda: float(first_order_step(model, opt, batch))  # noqa: E731
+        run = lambda: float(first_order_step(scorer, opt, batch))  # noqa: E731
     gc.collect()
     if device.type == "cpu":
         try:  # hand the loader's freed heap back to the OS, so that it is not counted as the phase's memory

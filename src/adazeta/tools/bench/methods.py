@@ -12,7 +12,6 @@ import torch
 
 from adazeta.models import LoadedModel
 from adazeta.optim import spsa
-from adazeta.scoring import batch_loss
 from adazeta.tools.bench.common import Report, Setup, Stats, setup_for, timed
 
 
@@ -25,8 +24,8 @@ def measure_methods(args: argparse.Namespace, report: Report, plain: LoadedModel
 
 
 def measure_method(args: argparse.Namespace, report: Report, setup: Setup, batch: Any, method: str) -> None:
-    model, opt = setup.model, setup.built.optimizer
-    loss = functools.partial(batch_loss, model, batch, "causal")
+    opt = setup.built.optimizer
+    loss = functools.partial(setup.scorer.loss, batch)
     draws = noise_draws_per_step(opt, loss)
     params = [p for g in opt.param_groups for p in g["params"]]
     masks = opt.masks(params)

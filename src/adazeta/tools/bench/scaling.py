@@ -8,20 +8,19 @@ import functools
 
 import torch
 
-from adazeta.scoring import batch_loss, collate
 from adazeta.tools.bench.common import Report, Setup, bench_items, timed, zo_optimizer
 
 
 def measure_scaling(args: argparse.Namespace, report: Report, setup: Setup) -> None:
     """AdaZeta's step (Q = 1, sequential) and its 2 forwards against batch size and prompt length (SST-2, RTE)."""
-    model, device, tok = setup.model, setup.device, setup.tokenizer
+    scorer, device = setup.scorer, setup.device
     opt = zo_optimizer(args, setup, False, 1)
     for task in ("sst2", "rte"):
-        pool = bench_items(args, setup.settings, tok, task, max(args.scaling_sizes))
+        pool = bench_items(args, setup.settings, scorer, task, max(args.scaling_sizes))
         for size in args.scaling_sizes:
             items = pool[:size]
-            batch = collate(items, "causal", tok.pad_token_id).to(device)
-            loss = functools.partial(batch_loss, model, batch, "causal")
+            batch = scorer.collate(items)
+            loss = functools.partial(scorer.loss, batch)
             runs = {"forwards": torch.no_grad()(lambda: [float(loss()) for _ in range(2)]),
                     "step": lambda: float(opt.step(loss, n_queries=1))}
             stats = timed(runs, device, min(args.repeats, 3), min(args.warmup, 1))

@@ -12,15 +12,14 @@ import torch
 
 from adazeta.optim.batched import ReplicaClosure
 from adazeta.optim.engine import estimator
-from adazeta.scoring import replica_losses
 from adazeta.tools.bench.common import Report, Setup, first_order_optimizer, first_order_step, timed, zo_optimizer
 
 
 def measure_zo_steps(args: argparse.Namespace, report: Report, setup: Setup, batch: Any) -> None:
     """AdaZeta's step on ``batch`` at each Q of ``--queries``, sequential and batched, against its forwards."""
-    model, device = setup.model, setup.device
+    scorer, device = setup.scorer, setup.device
     r, w = args.repeats, args.warmup
-    closure = ReplicaClosure(model, functools.partial(replica_losses, model, batch, "causal"), batch)
+    closure = ReplicaClosure(scorer.model, functools.partial(scorer.replica_losses, batch), batch)
     for q in args.queries:
         opts = {"sequential": zo_optimizer(args, setup, False, 1)}
         n_forwards = estimator(opts["sequential"].estimator).forwards(q)  # the estimator's own declaration
@@ -43,8 +42,7 @@ def measure_zo_steps(args: argparse.Namespace, report: Report, setup: Setup, bat
 
 def measure_first_order(args: argparse.Namespace, report: Report, setup: Setup, batch: Any) -> None:
     """A first-order step (AdamW, method tt_adapter's optimizer) on ``setup``'s TT adapters."""
-    model, device = setup.model, setup.device
     r, w = args.repeats, args.warmup
     fo = first_order_optimizer(args, setup)
-    stats = timed({"fo": lambda: float(first_order_step(model, fo, batch))}, device, r, w)["fo"]
+    stats = timed({"fo": lambda: float(first_order_step(setup.scorer, fo, batch))}, setup.device, r, w)["fo"]
     report.add("first_order", "first-order step (AdamW, TT adapters)", "packed", stats, "s")
