@@ -203,6 +203,8 @@ def first_order_optimizer(args: argparse.Namespace, setup: Setup) -> torch.optim
 
 
 def first_order_step(scorer: Scorer, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    """``adazeta.train.first_order_step`` with one micro-batch, on a batch collated once beforehand: the ZO steps
+    are timed on the same fixed batch, so neither timing includes collation (the loop's step collates its items)."""
     model = scorer.model
     model.train()
     opt.zero_grad(set_to_none=True)
