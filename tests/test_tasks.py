@@ -69,6 +69,22 @@ def test_malformed_rows_name_file_and_line(tmp_path):
         load_rows(spec("sst2").for_family("causal"), "train", str(tmp_path))
 
 
+def test_windows_files_load_like_unix_ones(tmp_path):
+    """A byte-order mark and CRLF line ends (as Windows editors save) change no row, in JSON lines or TSV."""
+    rte = tmp_path / "superglue" / "RTE"
+    rte.mkdir(parents=True)
+    lines = ['{"premise": "a", "hypothesis": "b", "label": "entailment"}', '{"premise": "c", "hypothesis": "d", "label": 1}']
+    (rte / "train.jsonl").write_bytes(("\ufeff" + "\r\n".join(lines) + "\r\n").encode("utf-8"))
+    rows, _ = load_rows(spec("rte").for_family("causal"), "train", str(tmp_path))
+    assert [(r["premise"], r["hypothesis"], r["label"]) for r in rows] == [("a", "b", 0), ("c", "d", 1)]
+    sst = tmp_path / "glue" / "SST-2"
+    sst.mkdir(parents=True)
+    (sst / "train.tsv").write_bytes("\ufeffsentence\tlabel\r\ngood\t1\r\nbad\t0\r\n".encode("utf-8"))
+    (sst / "dev.tsv").write_text("sentence\tlabel\n")
+    rows, _ = load_rows(spec("sst2").for_family("causal"), "train", str(tmp_path))
+    assert [(r["sentence"], r["label"]) for r in rows] == [("good", 1), ("bad", 0)]
+
+
 @needs_shared_data
 @pytest.mark.parametrize("task,n_train,n_eval", [("rte", 2490, 277), ("sst2", 60614 + 6735, 872)])
 def test_real_local_files_load_with_their_sizes(task, n_train, n_eval):

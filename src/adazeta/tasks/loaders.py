@@ -190,7 +190,7 @@ def read_jsonl(
     """JSON lines; ``flatten`` turns one nested line into several rows (MultiRC: one row per answer)."""
     flattener = FLATTENERS.get(flatten).builder if flatten else None
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Windows editors write one) is not data
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -224,7 +224,7 @@ def read_table(
     """
     rows = []
     quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
-    with open(path, encoding="utf-8", newline="") as f:
+    with open(path, encoding="utf-8-sig", newline="") as f:  # a byte-order mark would join the first header
         reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
         first = 1
         header = list(columns) if columns else next(reader, None)
