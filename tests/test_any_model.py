@@ -30,12 +30,19 @@ CONFIGS = {
                 word_embed_proj_dim=32),
     "bert": SIZES,
     "roberta": SIZES,
+    # Configs that leave the MLP's width implicit (BLOOM, GPT-J's n_inner=None) or name one the model does not
+    # build (MPT's expansion_ratio: transformers builds 4 x hidden): the width is read off the layers.
+    "bloom": dict(hidden_size=32, n_layer=2, n_head=4, vocab_size=300),
+    "gptj": dict(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, vocab_size=300, bos_token_id=0, eos_token_id=0),
+    "mpt": dict(d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, vocab_size=300),
+    "falcon": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=300),
 }
-INTERMEDIATE = {"gpt2": 128}  # GPT-2's MLP is 4 x hidden unless n_inner is set
+# GPT-2, BLOOM, GPT-J and MPT build a 4 x hidden MLP; Falcon's ffn_hidden_size defaults to it
+INTERMEDIATE = {"gpt2": 128, "bloom": 128, "gptj": 128, "mpt": 128, "falcon": 128}
 FAMILY = {"bert": "masked", "roberta": "masked"}
 LLAMA_MLP = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 # TT adapter sites, official placement: the table's (mistral, qwen3, gpt2, opt, bert, roberta) or found from the
-# structure (gemma3_text, phi3: the MLP's input and output projections).
+# structure (gemma3_text, phi3, bloom, gptj, mpt, falcon: the MLP's input and output projections).
 TT_SITES = {
     "gemma3_text": [f"model.layers.{{i}}.{p}" for p in LLAMA_MLP],
     "qwen3": [f"model.layers.{{i}}.{p}" for p in LLAMA_MLP],
@@ -45,6 +52,10 @@ TT_SITES = {
     "opt": ["model.decoder.layers.{i}.fc1", "model.decoder.layers.{i}.fc2"],
     "bert": ["bert.encoder.layer.{i}.attention.output.dense", "bert.encoder.layer.{i}.output.dense"],
     "roberta": ["roberta.encoder.layer.{i}.attention.output.dense", "roberta.encoder.layer.{i}.output.dense"],
+    "bloom": ["transformer.h.{i}.mlp.dense_h_to_4h", "transformer.h.{i}.mlp.dense_4h_to_h"],
+    "gptj": ["transformer.h.{i}.mlp.fc_in", "transformer.h.{i}.mlp.fc_out"],
+    "mpt": ["transformer.blocks.{i}.ffn.up_proj", "transformer.blocks.{i}.ffn.down_proj"],
+    "falcon": ["transformer.h.{i}.mlp.dense_h_to_4h", "transformer.h.{i}.mlp.dense_4h_to_h"],
 }
 # LoRA: peft's default attention projections; Phi-3, which peft has no default for, gets the MLP's.
 LORA_SITES = {
@@ -56,15 +67,20 @@ LORA_SITES = {
     "opt": ["model.decoder.layers.{i}.self_attn.q_proj", "model.decoder.layers.{i}.self_attn.v_proj"],
     "bert": ["bert.encoder.layer.{i}.attention.self.query", "bert.encoder.layer.{i}.attention.self.value"],
     "roberta": ["roberta.encoder.layer.{i}.attention.self.query", "roberta.encoder.layer.{i}.attention.self.value"],
+    "bloom": ["transformer.h.{i}.self_attention.query_key_value"],
+    "gptj": ["transformer.h.{i}.attn.q_proj", "transformer.h.{i}.attn.v_proj"],
+    "mpt": ["transformer.blocks.{i}.attn.Wqkv"],
+    "falcon": ["transformer.h.{i}.self_attention.query_key_value"],
 }
 # Every TT adapter here has width 32, b = 8, r = 2: down modes [2,4,4,2,2,2] (56 core parameters), up modes
 # [2,2,2,2,4,4] (52), biases 8 + 32.
 TT_PARAMS = 56 + 52 + 8 + 32
 # LoRA r = 2 on an (in, out) layer: 2 * (in + out). q 32->32, v 32->16 (2 kv heads of 8), c_attn 32->96,
-# Phi-3 gate_up 32->128 and down 64->32.
+# Phi-3 gate_up 32->128 and down 64->32, BLOOM's and MPT's fused qkv 32->96, Falcon's multi-query qkv 32->48.
 LORA_PARAMS = {"gemma3_text": 2 * 2 * (64 + 48), "qwen3": 2 * 2 * (64 + 48), "mistral": 2 * 2 * (64 + 48),
                "phi3": 2 * 2 * (160 + 96), "gpt2": 2 * 2 * 128, "opt": 2 * 2 * 128, "bert": 2 * 2 * 128,
-               "roberta": 2 * 2 * 128}
+               "roberta": 2 * 2 * 128, "bloom": 2 * 2 * 128, "gptj": 2 * 2 * 128, "mpt": 2 * 2 * 128,
+               "falcon": 2 * 2 * 80}
 TT_NAMES = [f"{side}.cores.{k}" for side in ("down", "up") for k in range(6)] + ["down.bias", "up.bias"]
 METHOD = ["method=adazeta", "method.adapter.bottleneck=8", "method.adapter.rank=2"]
 
@@ -153,6 +169,30 @@ def test_found_sites_equal_the_reference_table_on_the_llama_family(reference_tar
             assert {n: pos for n, (_, pos) in found.items()} == {n: pos for n, (_, pos) in table.items()}
 
 
+def test_the_config_names_the_mlp_width_where_the_layers_show_two():
+    """Gemma-style attention wider than the residual stream (4 heads of 16 on hidden 32: q 32 -> 64, o 64 -> 32)
+    pairs like an MLP; the layers then show two widths and the config's intermediate_size decides."""
+    from adazeta.adapters.sites import find_sites, mlp_sizes, model_linears, structural_intermediate
+
+    config = AutoConfig.for_model("gemma3_text", **{**SIZES, **GQA, "head_dim": 16, "intermediate_size": 96})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linears = model_linears(model)
+    assert structural_intermediate(32, linears) is None
+    assert mlp_sizes(config, linears) == (32, 96)
+    found = find_sites(model, "official")
+    assert list(found) == [f"model.layers.{i}.{p}" for i in range(2) for p in LLAMA_MLP]
+
+
+def test_a_model_with_no_mlp_width_anywhere_is_refused_in_one_line():
+    from adazeta.adapters.sites import mlp_sizes
+
+    config = AutoConfig.for_model("bloom", hidden_size=32, n_layer=2, n_head=4)
+    with pytest.raises(ConfigError, match=r"model_type='bloom': neither its config nor its layers .* "
+                                          r"set method\.adapter\.targets"):
+        mlp_sizes(config, {"attn.qkv": (32, 96), "attn.dense": (32, 32)})
+
+
 @pytest.mark.parametrize("model_type", ["gemma3_text", "phi3"])
 def test_dense_adapters_after_attention_and_mlp_found_from_the_structure(model_type, config_folder):
     s = parse(compose_cfg(["model=hf", f"model.path={config_folder(model_type)}", "method=mezo_adapter"]))
@@ -188,7 +228,7 @@ def test_a_config_only_folder_is_not_enough_to_train(config_folder):
 
 
 @pytest.mark.parametrize("model_type, method", [("gemma3_text", "adazeta"), ("qwen3", "mezo_lora"),
-                                                ("roberta", "adazeta")])
+                                                ("roberta", "adazeta"), ("bloom", "adazeta")])
 def test_a_saved_model_folder_trains_end_to_end_with_no_yaml(model_type, method, tmp_path, fixture_data):
     """model=hf model.path=<save_pretrained folder>: weights and tokenizer from the folder, a few ZO steps, a record."""
     from adazeta.models import byte_tokenizer

@@ -324,11 +324,11 @@ def test_explicit_shape_mismatching_the_model_fails():
 # ---------------------------------------------------------------------------------------------- tiny real models
 
 
-def _tiny_llama():
+def _tiny_llama(intermediate_size: int = 64):
     torch.manual_seed(0)
     cfg = LlamaConfig(
         hidden_size=32,
-        intermediate_size=64,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -408,9 +408,8 @@ def test_unknown_architecture_gets_the_mlp_sites_or_needs_targets():
     found = add_tt_adapters(model, TTAdapterConfig(bottleneck=8, rank=3))  # the MLP, from its shapes
     assert {n for n, m in found.named_modules() if isinstance(m, AdaptedLinear)} == {
         f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")}
-    model = _tiny_llama()
+    model = _tiny_llama(intermediate_size=32)  # an MLP as wide as the residual stream: shapes cannot tell it apart
     model.config.model_type = "mystery"
-    model.config.intermediate_size = model.config.hidden_size  # shapes can no longer tell the MLP apart
     with pytest.raises(ConfigError, match=r"adapter\.targets"):
         add_tt_adapters(model, TTAdapterConfig())
     targets = [{"pattern": r"mlp\.down_proj$", "position": "output"}]

@@ -345,11 +345,11 @@ def complete_config(cfg: ModelConfig) -> ModelConfig:
 
 def architecture_summary(cfg: ModelConfig) -> dict[str, Any]:
     """The sizes a reader checks first: model_type, hidden, intermediate, layers, heads, vocabulary."""
-    from adazeta.adapters.sites import mlp_sizes
+    from adazeta.adapters.sites import mlp_sizes, model_linears
 
     config = architecture_config(cfg)
     try:
-        intermediate = mlp_sizes(config)[1]
+        intermediate = mlp_sizes(config, model_linears(build_meta_model(cfg)) if cfg.family else None)[1]
     except ConfigError:
         intermediate = None
     return {

@@ -80,17 +80,42 @@ def match_targets(model: nn.Module, targets: list[dict]) -> dict[str, tuple[nn.M
     return chosen
 
 
-def mlp_sizes(config: Any) -> tuple[int, int]:
-    """(hidden, intermediate) sizes from a transformers config: intermediate_size, ffn_dim (OPT) or n_inner (GPT-2)."""
+# Config fields that name the MLP's width, by the conventions of transformers' model types (Llama, OPT, Falcon,
+# GPT-2 / GPT-J / GPT-BigCode). GPT-2's n_inner=None and BLOOM mean 4 x hidden; MPT's expansion_ratio is not what
+# transformers builds (4 x hidden whatever the ratio): the layers themselves are the better witness.
+INTERMEDIATE_FIELDS = ("intermediate_size", "ffn_dim", "ffn_hidden_size", "n_inner")
+
+
+def model_linears(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Linear-like layers but the output head: module name -> (in, out)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {name: f for name, m in model.named_modules() if (f := linear_features(m)) is not None and m is not head}
+
+
+def structural_intermediate(hidden: int, linears: dict[str, tuple[int, int]]) -> int | None:
+    """The MLP's width read off the layers: the one width X != hidden with both hidden -> X and X -> hidden layers.
+
+    A fused projection (attention's hidden -> 3 x hidden, Phi-3's gate and up hidden -> 2 x X) has no partner
+    back to hidden, so it is not taken for the MLP's width. None when no width, or more than one, qualifies.
+    """
+    into = {o for i, o in linears.values() if i == hidden and o != hidden}
+    out_of = {i for i, o in linears.values() if o == hidden and i != hidden}
+    widths = into & out_of
+    return widths.pop() if len(widths) == 1 else None
+
+
+def mlp_sizes(config: Any, linears: dict[str, tuple[int, int]] | None = None) -> tuple[int, int]:
+    """(hidden, intermediate) sizes: the intermediate read off ``linears`` (module name -> (in, out)) where they
+    give one, else as the config names it."""
     hidden = getattr(config, "hidden_size", None)
-    if getattr(config, "model_type", None) == "gpt2":
-        inner = getattr(config, "n_inner", None) or 4 * hidden  # GPT-2's default MLP width
-    else:
-        inner = getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
+    inner = structural_intermediate(hidden, linears) if hidden and linears is not None else None
+    named = (getattr(config, field, None) for field in INTERMEDIATE_FIELDS)
+    inner = inner or next((v for v in named if isinstance(v, int) and v > 0), None)
     if not hidden or not inner:
         raise ConfigError(
-            f"model_type={getattr(config, 'model_type', None)!r}: its config names no hidden and intermediate "
-            "size, so adapter sites cannot be found from the module structure; set method.adapter.targets"
+            f"model_type={getattr(config, 'model_type', None)!r}: neither its config nor its layers give one hidden "
+            "and one intermediate size, so adapter sites cannot be found from the module structure; "
+            "set method.adapter.targets"
         )
     return hidden, inner
 
@@ -108,14 +133,13 @@ def find_sites(model: nn.Module, placement: str) -> dict[str, tuple[nn.Module, s
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    hidden, inner = mlp_sizes(config)
     fix = "set method.adapter.targets, e.g. [{pattern: 'mlp\\.down_proj$', position: output}]"
+    modules = dict(model.named_modules())
+    linears = model_linears(model)
+    hidden, inner = mlp_sizes(config, linears)
     if hidden == inner:
         raise ConfigError(f"model_type={model_type!r}: hidden and intermediate sizes are both {hidden}, so shapes "
                           f"cannot tell the MLP from the attention; {fix}")
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    modules = dict(model.named_modules())
-    linears = {name: f for name, m in modules.items() if (f := linear_features(m)) is not None and m is not head}
     # Modules holding a layer with hidden outputs other than an MLP output: attention blocks. A fused attention
     # projection as wide as the MLP (Phi-3's qkv_proj can be) lives there, so shapes alone would take it for one.
     attention = {name.rpartition(".")[0] for name, (i, o) in linears.items() if o == hidden and i != inner}
