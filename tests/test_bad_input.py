@@ -255,6 +255,7 @@ def test_a_truncated_gguf_file_fails_in_one_line(fixture_data, tmp_path, monkeyp
 @pytest.mark.parametrize("files,message", [
     ({"config.json": "{}"}, "has a config.json but no weights"),
     ({"config.json": "{not json", "model.safetensors": ""}, "config.json is not valid JSON"),
+    ({"config.json": "{}", "model.safetensors": "", "tokenizer_config.json": "{}"}, "has weights but no tokenizer"),
 ])
 def test_a_model_folder_without_weights_fails_before_loading(files, message, fixture_data, tmp_path, monkeypatch,
                                                             capsys):
@@ -276,3 +277,15 @@ def test_an_unwritable_run_directory_is_one_line(fixture_data, tmp_path, monkeyp
     blocker.write_text("a file, not a folder")
     code, err = run_cli(monkeypatch, capsys, [*tiny_overrides(fixture_data), f"hydra.run.dir={blocker / 'run'}"])
     assert code == 2 and "cannot write the run directory" in err, err
+
+
+def test_a_long_library_error_is_cut_at_a_sentence_or_word_end():
+    from adazeta.models import first_line
+
+    sentence = "The checkpoint you are trying to load has model type `x` but Transformers does not recognize it."
+    err = ValueError(sentence + " This could be because of an issue with the checkpoint, or because your version "
+                     "of Transformers is out of date.\nsecond line")
+    assert first_line(err) == f"ValueError: {sentence}"
+    words = ValueError("word " * 60)
+    assert first_line(words).endswith("word ...") and len(first_line(words)) < 220
+    assert first_line(KeyError()) == "KeyError"

@@ -175,6 +175,9 @@ def path_source(path: str, gguf_file: str | None = None) -> ModelSource:
 GGUF_MAGIC = b"GGUF"
 GGUF_HEADER = 24  # magic, version (uint32), tensor count (uint64), metadata count (uint64)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# Files that carry a tokenizer's vocabulary: fast (tokenizer.json), sentencepiece (*.model), BPE / WordPiece vocab
+# files, tiktoken ranks. A folder with none of them cannot be tokenized, whatever its tokenizer_config.json says.
+TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "*.tiktoken")
 
 
 def check_gguf(path: Path) -> None:
@@ -196,7 +199,7 @@ def check_gguf(path: Path) -> None:
 
 
 def check_pretrained_folder(folder: Path) -> None:
-    """A save_pretrained folder: a config.json that parses and weights beside it."""
+    """A save_pretrained folder: a config.json that parses, and weights and a tokenizer beside it."""
     try:
         json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
@@ -205,6 +208,11 @@ def check_pretrained_folder(folder: Path) -> None:
         raise ConfigError(
             f"model folder {folder} has a config.json but no weights ({', '.join(WEIGHT_FILES[::2])}); "
             "save the model with save_pretrained, or copy its weight files there"
+        )
+    if not any(any(folder.glob(pattern)) for pattern in TOKENIZER_FILES):
+        raise ConfigError(
+            f"model folder {folder} has weights but no tokenizer ({', '.join(TOKENIZER_FILES[:4])}); save the "
+            "model's tokenizer beside them (tokenizer.save_pretrained(folder)) or copy its tokenizer files there"
         )
 
 
@@ -286,7 +294,14 @@ def root_cause(err: BaseException) -> BaseException:
 def first_line(err: BaseException) -> str:
     """An exception as one short line for a user-facing message: its type and the first line of its text."""
     text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0][:200]}" if text else type(err).__name__
+    if not text:
+        return type(err).__name__
+    line = text.splitlines()[0]
+    if len(line) > 200:  # cut at a sentence's or a word's end, never inside a word
+        cut = line[:200]
+        end = cut.rfind(". ")
+        line = cut[:end + 1] if end >= 80 else cut.rsplit(" ", 1)[0] + " ..."
+    return f"{type(err).__name__}: {line}"
 
 
 def source_config(cfg: ModelConfig) -> Any:
