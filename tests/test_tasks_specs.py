@@ -137,6 +137,8 @@ def test_generation_hooks_keep_every_answer():
     [
         (["task.causal.template='{sentence|shout} It was'"], "unknown filter 'shout'"),
         (["task.causal.template='{sentnce} It was'"], r"uses \{sentnce\}, which is not in text_fields"),
+        (["task.causal.template='It was'"], r"uses none of text_fields \(sentence\), so every example would get "
+                                            r"the same prompt; put \{sentence\} in it"),
         (["task.masked.template='{sentence} It was .'"], r"has no \{mask\}"),
         (["task.metric=f1"], "does not fit objective"),
         (["task.objective=regression"], "objective='regression' is not one of"),

@@ -177,7 +177,13 @@ class TaskSpec:
                     f"{where}.template uses {{{name}}}, which is not in text_fields ({', '.join(self.text_fields)}); "
                     "add it there or fix the template"
                 )
-        if family == "masked" and "mask" not in {n for n, _ in template_fields(fmt.template, where)}:
+        used = {n for n, _ in template_fields(fmt.template, where)}
+        if self.text_fields and not used & set(self.text_fields):
+            raise ConfigError(
+                f"{where}.template={fmt.template!r} uses none of text_fields ({', '.join(self.text_fields)}), so "
+                f"every example would get the same prompt; put {{{self.text_fields[0]}}} in it"
+            )
+        if family == "masked" and "mask" not in used:
             raise ConfigError(f"{where}.template has no {{mask}}; a masked template needs the mask position")
 
     def for_family(self, family: str, mask_token: str | None = None) -> "BoundTask":
