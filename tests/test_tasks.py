@@ -39,6 +39,30 @@ def test_labels_normalise_from_strings_ints_and_bools():
         s.label_index("maybe", "row 3")
 
 
+@pytest.mark.parametrize("task, raw, gold", [
+    # An integer in a file means the dataset's own order where the task lists its labels in another (MeZO's,
+    # LM-BFF's): BoolQ 0 = false, 1 = true; MNLI / SNLI 0 = entailment, 1 = neutral, 2 = contradiction.
+    ("boolq", 0, False), ("boolq", 1, True), ("boolq", "0", False), ("boolq", True, True), ("boolq", "false", False),
+    ("mnli", 0, "entailment"), ("mnli", 1, "neutral"), ("mnli", 2, "contradiction"), ("snli", "2", "contradiction"),
+    ("mnli", "neutral", "neutral"),
+    # Elsewhere the position in labels, which is the dataset's order (RTE 0 = entailment, SST-2 0 = negative)
+    ("rte", 1, "not_entailment"), ("sst2", 1, 1),
+    # Integral floats, as pandas writes a label column with a missing value: 1.0 is 1
+    ("sst2", "1.0", 1), ("sst2", 0.0, 0), ("sst5", "4.0", 4), ("boolq", 1.0, True),
+])
+def test_integer_labels_mean_the_datasets_own_order(task, raw, gold):
+    s = spec(task)
+    assert s.labels[s.label_index(raw, "x")] == gold
+
+
+def test_a_fractional_or_out_of_range_number_is_no_label():
+    for raw in ("0.5", 1.5, 2, "7"):
+        with pytest.raises(ConfigError, match="is not one of"):
+            spec("sst2").label_index(raw, "row 9")
+    with pytest.raises(ConfigError, match=r"int_labels=\['x', 'y'\] must list the labels"):
+        parse(compose_cfg(["task=rte", "task.int_labels=[x,y]"]))
+
+
 def test_sampling_is_seeded_and_disjoint(fixture_data):
     data = DataConfig(num_train=20, num_dev=10, num_eval=8, dir=str(fixture_data))
     a = load_task(spec("rte").for_family("causal"), data, seed=1)

@@ -115,6 +115,9 @@ class TaskSpec:
     f1_objective: bool = False  # generation tasks: ZO methods minimise -F1 of the greedy generation instead
     label_field: str | None = "label"  # null: the hook derives the gold answer (ReCoRD, SQuAD, DROP)
     labels: list[Any] = field(default_factory=list)  # raw label values in index order
+    # What an integer label in a data file means where it is not the position in `labels`: the dataset's own
+    # integer order (Hugging Face's ClassLabel names: BoolQ 0 = false, MNLI 0 = entailment). null: the position.
+    int_labels: list[Any] | None = None
     text_fields: list[str] = field(default_factory=list)  # fields every row must have (after `rename`)
     hub: HubSource | None = None  # causal (MeZO protocol) data
     local: LocalSource | None = None
@@ -144,6 +147,9 @@ class TaskSpec:
                               "generation tasks are scored by f1, the others by accuracy")
         if self.f1_objective and self.objective != "generation":
             raise ConfigError(f"{where}: f1_objective=true needs objective=generation (it scores generated answers)")
+        if self.int_labels is not None and sorted(map(str, self.int_labels)) != sorted(map(str, self.labels)):
+            raise ConfigError(f"{where}: int_labels={self.int_labels} must list the labels {self.labels} in the "
+                              "dataset's integer order")
         if self.num_dev is not None and self.num_dev < 1:
             raise ConfigError(f"task.num_dev={self.num_dev} must be >= 1, or null to use data.num_dev")
         if not (self.causal or self.masked):
@@ -207,8 +213,14 @@ class TaskSpec:
         """Normalise a raw label to its index in ``labels``: exact value, then case-insensitive text, then an index.
 
         Local files and Hub copies disagree (``"entailment"`` against ``0``, ``true`` against ``1``); types are
-        compared exactly first because ``True == 1`` in Python.
+        compared exactly first because ``True == 1`` in Python. An integer (or an integral ``1.0``, as pandas
+        writes a label column) that is not itself a label means ``int_labels[i]`` where the task gives that order,
+        else the i-th label.
         """
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        elif isinstance(value, str) and _integral_text(value) and not any(str(lab) == value for lab in self.labels):
+            value = int(float(value))
         for i, lab in enumerate(self.labels):
             if type(value) is type(lab) and value == lab:
                 return i
@@ -218,8 +230,16 @@ class TaskSpec:
                 if str(lab).lower() == text:
                     return i
         if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(self.labels):
-            return value
+            return self.labels.index(self.int_labels[value]) if self.int_labels else value
         raise ConfigError(f"{where}: label {value!r} is not one of {self.labels}")
+
+
+def _integral_text(text: str) -> bool:
+    """'1', ' 2 ', '1.0', '-1': text of an integer (TSV and CSV labels arrive as text)."""
+    try:
+        return float(text).is_integer()
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
