@@ -191,6 +191,11 @@ def test_a_model_with_no_mlp_width_anywhere_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"model_type='bloom': neither its config nor its layers .* "
                                           r"set method\.adapter\.targets"):
         mlp_sizes(config, {"attn.qkv": (32, 96), "attn.dense": (32, 32)})
+    # A named width the layers contradict (MobileBERT's bottlenecks pair hidden with a narrower width) is not
+    # overruled silently either way.
+    config = AutoConfig.for_model("bert", **SIZES)
+    with pytest.raises(ConfigError, match="names an intermediate size of 64 but its layers pair hidden 32 with 16"):
+        mlp_sizes(config, {"in": (32, 16), "mlp.in": (16, 64), "mlp.out": (64, 16), "out": (16, 32)})
 
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "phi3"])

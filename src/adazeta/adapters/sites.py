@@ -105,12 +105,22 @@ def structural_intermediate(hidden: int, linears: dict[str, tuple[int, int]]) ->
 
 
 def mlp_sizes(config: Any, linears: dict[str, tuple[int, int]] | None = None) -> tuple[int, int]:
-    """(hidden, intermediate) sizes: the intermediate read off ``linears`` (module name -> (in, out)) where they
-    give one, else as the config names it."""
+    """(hidden, intermediate) sizes: the config's intermediate where the layers (``linears``, module name ->
+    (in, out)) confirm it or are not given, else the one width the layers pair with hidden."""
     hidden = getattr(config, "hidden_size", None)
-    inner = structural_intermediate(hidden, linears) if hidden and linears is not None else None
-    named = (getattr(config, field, None) for field in INTERMEDIATE_FIELDS)
-    inner = inner or next((v for v in named if isinstance(v, int) and v > 0), None)
+    named = next((v for v in (getattr(config, f, None) for f in INTERMEDIATE_FIELDS) if isinstance(v, int) and v > 0),
+                 None)
+    inner = named
+    if hidden and linears is not None:
+        shapes = set(linears.values())
+        confirmed = named and ({(hidden, named), (hidden, 2 * named)} & shapes) and (named, hidden) in shapes
+        found = structural_intermediate(hidden, linears)
+        if not confirmed and found and named and found != named:
+            raise ConfigError(
+                f"model_type={getattr(config, 'model_type', None)!r}: its config names an intermediate size of {named} "
+                f"but its layers pair hidden {hidden} with {found}; set method.adapter.targets"
+            )
+        inner = named if confirmed else found or named
     if not hidden or not inner:
         raise ConfigError(
             f"model_type={getattr(config, 'model_type', None)!r}: neither its config nor its layers give one hidden "
