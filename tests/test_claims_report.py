@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -128,3 +131,17 @@ def test_the_readme_cpu_zo_table_is_the_reports():
             assert cells[3] == ("" if arm == "zero_shot" else rows[arm][6])
             checked += 1
     assert checked == 7
+
+
+def test_a_damaged_run_record_stops_the_report_with_one_line_naming_it(results):
+    """A result.json cut while being written is not dropped from the verdicts in silence."""
+    write_run("mezo_lora", 0, [1.0, 0.6, 0.5], np.ones(20))
+    damaged = Job("mezo_lora", DESIGN.arms["mezo_lora"].lrs[0], 0, "cpu_zo_claims", []).run_dir / "result.json"
+    damaged.write_text('{"status": "finished", "dev_accur')
+    out = subprocess.run([sys.executable, "-m", "adazeta.tools.claims_report", "cpu_zo_claims", "--out",
+                          str(results / "out")], cwd=results, env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"claims_report: error: {damaged.resolve()} is not a run record (Unterminated string starting at: line 1 "
+        "column 24 (char 23)); rerun that run (force=true) or move its folder away"]

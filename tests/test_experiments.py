@@ -418,3 +418,15 @@ def test_an_experiments_hydra_sweep_comes_from_its_arms_and_design(tmp_path, fix
     again = subprocess.run([sys.executable, "-m", "adazeta.cli", *args], cwd=ROOT, env=ENV, capture_output=True,
                            text=True, timeout=600)
     assert again.returncode == 0 and again.stdout.count("skipping:") == 4
+
+
+def test_make_tables_names_a_damaged_run_record_instead_of_a_traceback(tmp_path):
+    write_result(tmp_path / "runs", "adazeta", 0, 1e-3, 0.8, 0.7)
+    damaged = tmp_path / "runs" / "cut" / "result.json"
+    damaged.parent.mkdir()
+    damaged.write_text("[1, 2]")  # JSON, but not a record
+    out = subprocess.run([sys.executable, "-m", "adazeta.tools.make_tables", "--results", str(tmp_path / "runs"),
+                          "--out", str(tmp_path / "tables")], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert out.returncode == 2 and not (tmp_path / "tables").exists()
+    assert out.stderr.strip().splitlines() == [
+        f"make_tables: error: {damaged} is not a run record; rerun that run (force=true) or move its folder away"]

@@ -10,8 +10,12 @@ what happened (``adazeta.train.Outcome.record_fields``); ``as_dict`` is what ``r
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from adazeta.errors import ConfigError
 
 
 class _Unset:
@@ -120,3 +124,27 @@ def main_score(record: dict[str, Any], split: str) -> Any:
     """A ``result.json``'s main metric for ``split`` (``dev``, ``test`` or ``initial_dev``): ``<split>_<metric>``,
     accuracy unless the record names another metric (F1 for generation tasks); None when absent."""
     return record.get(f"{split}_{record.get('metric') or 'accuracy'}")
+
+
+def read_record(path: Path) -> dict[str, Any] | None:
+    """The ``result.json`` at ``path`` (a run directory or the file): None when the run has none yet.
+
+    A file that is not a JSON object (a run cut while writing it, an edit) is a ConfigError naming it: tables and
+    reports never drop a run silently.
+    """
+    path = Path(path)
+    file = path / "result.json" if path.is_dir() else path
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise ConfigError(f"cannot read {file}: {err.strerror}") from None
+    try:
+        record = json.loads(text)
+    except ValueError as err:
+        record = err
+    if not isinstance(record, dict):
+        why = f" ({record})" if isinstance(record, ValueError) else ""
+        raise ConfigError(f"{file} is not a run record{why}; rerun that run (force=true) or move its folder away")
+    return record

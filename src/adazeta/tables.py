@@ -24,7 +24,7 @@ import pandas as pd
 
 from adazeta import stats
 from adazeta.errors import ConfigError
-from adazeta.record import main_score
+from adazeta.record import main_score, read_record
 from adazeta.rundir import flatten, result_settings
 
 # Keys that say which run it is (seeds) or how it is labelled, not which hyper-parameters were used; paths,
@@ -61,7 +61,9 @@ def load_results(paths: Iterable[Path]) -> pd.DataFrame:
         root = Path(root)
         files = [root] if root.is_file() else sorted(root.rglob("result.json"))
         for path in files:
-            record = json.loads(path.read_text())
+            record = read_record(path)
+            if record is None:
+                continue
             config = record.get("config") or {}
             setting = setting_of(config)
             flat = flatten(config)

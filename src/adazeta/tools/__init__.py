@@ -29,3 +29,26 @@ Shared by them:
 The rule (tests/test_layout.py): the tools import the library (``adazeta.*``); nothing outside ``adazeta.tools``
 imports ``adazeta.tools``.
 """
+
+import functools
+import sys
+from pathlib import Path
+from typing import Callable
+
+from adazeta.errors import ConfigError
+
+
+def one_line_errors(main: Callable[[], None]) -> Callable[[], None]:
+    """A tool's ``main``: bad input (a ConfigError: an unknown experiment, a damaged run file) ends it with one
+    line on stderr and exit status 2, as ``adazeta-run`` does, never a traceback."""
+
+    @functools.wraps(main)
+    def wrapper() -> None:
+        try:
+            main()
+        except ConfigError as err:
+            tool = Path(sys.modules[main.__module__].__file__ or "tool").stem  # "__main__" under python -m
+            print(f"{tool}: error: {err}", file=sys.stderr)
+            sys.exit(2)
+
+    return wrapper

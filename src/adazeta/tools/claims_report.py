@@ -14,14 +14,15 @@ point of the experiment. Test is read only at each run's best-dev state; nothing
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from adazeta.tools import one_line_errors
 from adazeta import stats
+from adazeta.record import read_record
 from adazeta.tools.cpu_zo_report import read_csv
 from adazeta.experiments import Design
 from adazeta.tools.experiment import Job
@@ -63,11 +64,8 @@ class Run:
 
 
 def load_run(arm: str, seed: int, run_dir: Path) -> Run | None:
-    try:
-        rec = json.loads((run_dir / "result.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(rec, dict) or rec.get("status") not in ("finished", "diverged"):
+    rec = read_record(run_dir)
+    if rec is None or rec.get("status") not in ("finished", "diverged"):
         return None
     forwards, wall, total = {0: 0}, {0: 0.0}, 0.0
     for r in read_csv(run_dir / "metrics.csv"):
@@ -433,6 +431,7 @@ def report(name: str, out: Path) -> Path:
     return path
 
 
+@one_line_errors
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiment", nargs="?", default="cpu_zo_claims")

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import statistics
 from pathlib import Path
 
 
+from adazeta.tools import one_line_errors
 from adazeta import stats
+from adazeta.record import read_record
 from adazeta.tools.experiment import UNDECIDED, Job, chosen_lr
 from adazeta.tools.experiment import load as load_experiment
 
@@ -35,11 +36,8 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 
 def load(run_dir: Path) -> dict | None:
-    try:
-        rec = json.loads((run_dir / "result.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if rec.get("status") not in ("finished", "diverged"):
+    rec = read_record(run_dir)
+    if rec is None or rec.get("status") not in ("finished", "diverged"):
         return None
     forwards = {int(r["step"]): int(r["forward_passes"]) for r in read_csv(run_dir / "metrics.csv")}
     forwards[0] = 0
@@ -68,6 +66,7 @@ def mean_std(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
     return text
 
 
+@one_line_errors
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experiment", default="cpu_zo")

@@ -12,16 +12,18 @@ run records its checkout's `dirty` flag). Paths are relative to the current dire
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
 from pathlib import Path
 
 import pandas as pd
 
+from adazeta.tools import one_line_errors
 from adazeta.plots import convergence_figure, memory_figure, plt, read_run, run_figure, save_figure
+from adazeta.record import read_record
 from adazeta.tables import load_results, select_on_dev, setting_id, setting_of
 
 
+@one_line_errors
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=Path("results", "runs"))
@@ -50,7 +52,9 @@ def main() -> None:
         chosen = set(zip(sel["experiment"], sel["model"], sel["task"], sel["method"], sel["setting"]))
     groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
     for path in sorted(args.results.rglob("result.json")) if args.results.exists() else []:
-        record = json.loads(path.read_text())
+        record = read_record(path)
+        if record is None:
+            continue
         key = (record.get("experiment") or "adhoc", record["model"], record["task"])
         setting = setting_id(setting_of(record.get("config") or {}))
         if (*key, record["method"], setting) in chosen and (path.parent / "metrics.csv").is_file():

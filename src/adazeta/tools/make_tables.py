@@ -41,13 +41,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results", "tables"))
     args = parser.parse_args()
 
-    results = load_results([p for p in args.results if p.exists()])
-    selected = select_on_dev(results) if len(results) else results
     try:
+        results = load_results([p for p in args.results if p.exists()])
         paper = load_paper_numbers(args.paper)
     except ConfigError as err:
         print(f"make_tables: error: {err}", file=sys.stderr)
         sys.exit(2)
+    selected = select_on_dev(results) if len(results) else results
     args.out.mkdir(parents=True, exist_ok=True)
     # stress tests (NAME_stress) run chosen settings at raised rates: nothing there is to be selected
     experiments = sorted(e for e in set(paper["experiment"]) - {"memory"} | set(selected.get("experiment", []))

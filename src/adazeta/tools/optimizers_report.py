@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from adazeta.tools import one_line_errors
 from adazeta.tools.claims_report import (
     MISSING, Run, compare, equal_budget, figure, first_at_or_below, fmt, fmt_p, load_run, overview,
 )
@@ -217,6 +218,7 @@ def report(name: str, out: Path) -> Path:
     return path
 
 
+@one_line_errors
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiment", nargs="?", default="cpu_zo_optimizers")
