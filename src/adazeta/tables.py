@@ -18,7 +18,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import pandas as pd
 
@@ -26,6 +26,9 @@ from adazeta import stats
 from adazeta.errors import ConfigError
 from adazeta.record import main_score, read_record
 from adazeta.rundir import flatten, result_settings
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Keys that say which run it is (seeds) or how it is labelled, not which hyper-parameters were used; paths,
 # logging keys and the rest that never change a number are left out by ``rundir.result_settings``.
