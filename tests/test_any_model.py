@@ -198,6 +198,18 @@ def test_a_model_with_no_mlp_width_anywhere_is_refused_in_one_line():
         mlp_sizes(config, {"in": (32, 16), "mlp.in": (16, 64), "mlp.out": (64, 16), "out": (16, 32)})
 
 
+def test_albert_gets_the_sites_of_the_one_layer_all_its_depths_share():
+    from adazeta.adapters.sites import find_sites
+
+    config = AutoConfig.for_model("albert", **SIZES, embedding_size=16)  # one group of one layer, used twice
+    with torch.device("meta"):
+        model = AutoModelForMaskedLM.from_config(config)
+    layer = "albert.encoder.albert_layer_groups.0.albert_layers.0"
+    assert {n: pos for n, (_, pos) in find_sites(model, "official").items()} == {
+        f"{layer}.ffn": "input", f"{layer}.ffn_output": "output"}
+    assert list(find_sites(model, "paper")) == [f"{layer}.attention.dense", f"{layer}.ffn_output"]
+
+
 @pytest.mark.parametrize("model_type", ["gemma3_text", "phi3"])
 def test_dense_adapters_after_attention_and_mlp_found_from_the_structure(model_type, config_folder):
     s = parse(compose_cfg(["model=hf", f"model.path={config_folder(model_type)}", "method=mezo_adapter"]))

@@ -167,6 +167,8 @@ def find_sites(model: nn.Module, placement: str) -> dict[str, tuple[nn.Module, s
         elif fan_out == hidden:
             pending = name
     layers = getattr(config, "num_hidden_layers", None)
+    if getattr(config, "num_hidden_groups", None):  # ALBERT: its layers share the weights of a few distinct ones
+        layers = config.num_hidden_groups * getattr(config, "inner_group_num", 1)
     found = {"MLP output projection (intermediate -> hidden)": mlp_out}
     if placement == "paper":
         found["attention output projection (the last layer -> hidden before an MLP)"] = attention_out
