@@ -430,3 +430,22 @@ def test_make_tables_names_a_damaged_run_record_instead_of_a_traceback(tmp_path)
     assert out.returncode == 2 and not (tmp_path / "tables").exists()
     assert out.stderr.strip().splitlines() == [
         f"make_tables: error: {damaged} is not a run record; rerun that run (force=true) or move its folder away"]
+
+
+def test_committed_runs_of_one_arm_at_one_rate_are_one_setting():
+    """Seeds of one arm run months apart must pool into one table cell: a key added to the config since (with its
+    old-behaviour value) must not make a new setting (tables.ADDED_DEFAULTS), or a cell silently drops seeds."""
+    from adazeta.record import read_record
+    from adazeta.tables import setting_of
+
+    results = load_results([ROOT / "results" / "runs"])
+    assert len(results) > 20
+    results["lr"] = [str(((read_record(Path(p))["config"].get("method") or {}).get("optimizer") or {}).get("lr"))
+                     for p in results["path"]]
+    split = {}
+    for key, group in results.groupby(["experiment", "model", "task", "method", "lr"]):
+        if group["setting"].nunique() > 1:
+            settings = [setting_of(read_record(Path(p))["config"]) for p in group["path"]]
+            keys = set().union(*settings)
+            split[key] = sorted(k for k in keys if len({repr(s.get(k, "<absent>")) for s in settings}) > 1)
+    assert not split, f"runs of one arm and rate split into several settings by: {split}"
