@@ -159,6 +159,19 @@ def test_an_extra_config_dir_adds_options_that_the_checks_see(tmp_path, monkeypa
     assert code == 2 and "did you mean 'mine'?" in err, err
 
 
+@pytest.mark.parametrize("text, where, what", [
+    ("name: mine\nlabels: [0, 1\n", "line 2", "while parsing a flow sequence; expected ',' or ']'"),
+    ("name: mine\n  version: 1\n", "line 2", "mapping values are not allowed here"),
+])
+def test_a_user_config_that_is_not_yaml_is_named_with_its_line(text, where, what, tmp_path, monkeypatch, capsys):
+    (tmp_path / "extra" / "task").mkdir(parents=True)
+    (tmp_path / "extra" / "task" / "mine.yaml").write_text(text)
+    code, _, err = run_cli(monkeypatch, capsys, ["--cfg", "job", "--config-dir", str(tmp_path / "extra"),
+                                                 "task=mine"])
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"task=mine: {tmp_path / 'extra' / 'task' / 'mine.yaml'} {where} is not valid YAML ({what}" in err, err
+
+
 def test_a_sweep_leaves_out_a_group_option_that_is_a_path(fixture_data, tmp_path, monkeypatch, capsys):
     args = ["-m", *tiny_overrides(fixture_data, "train.max_steps=1"), "model=tiny-llama,../task/rte",
             f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.sweep.subdir=${model.name}"]

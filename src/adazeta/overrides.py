@@ -291,6 +291,19 @@ def _added_unknown(parsed: list[Any], source: Source, base: list[str]) -> str | 
     return None
 
 
+def _yaml_error(error: BaseException | None) -> Any:
+    """The YAML parser's error behind a composition error (Hydra wraps some), or None."""
+    import yaml
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, yaml.MarkedYAMLError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def explain(error: Exception, override: str, source: Source, base: list[str]) -> str:
     """One line for a composition error caused by ``override``."""
     from hydra.errors import MissingConfigException
@@ -298,6 +311,12 @@ def explain(error: Exception, override: str, source: Source, base: list[str]) ->
     key = override.split("=", 1)[0].lstrip("+~")
     value = override.split("=", 1)[1] if "=" in override else ""
     text = str(error)
+    broken = _yaml_error(error)
+    if broken is not None:  # a config file that is not YAML: where, and what the parser wanted
+        mark = broken.context_mark or broken.problem_mark  # where the broken construct began
+        where = f"{mark.name} line {mark.line + 1}" if mark is not None else "a config file"
+        what = "; ".join(p for p in (broken.context, broken.problem) if p)
+        return f"{override}: {where} is not valid YAML ({what}); fix that file"
     if isinstance(error, MissingConfigException) or "Could not find" in text:
         group = key.split("@")[0]
         options = source.options(group)
