@@ -95,6 +95,22 @@ def test_a_refuted_speed_claim_and_an_unstable_adaptive_arm_are_reported_as_refu
     assert "(b) stability, `ada_paper` vs `tt_q1`: **refuted**: unstable 4/4 vs 4/4" in text
 
 
+def test_a_verdict_with_seeds_still_to_run_says_interim_for_every_endpoint(results):
+    """0/3 against 4/4 unstable is p = 0.029, but a fourth adaptive seed that drifts would undo it: interim."""
+    rng = np.random.default_rng(3)
+    base = (rng.random(50) < 0.7).astype(float)
+    for seed in range(4):
+        write_run("tt_q1", seed, [1.0, 0.5, 0.5, 0.5, 0.7], base, status="diverged")
+        if seed < 3:
+            write_run("ada_official", seed, [1.0, 0.6, 0.5, 0.5, 0.5], base)
+            write_run("mezo_lora", seed, [1.0, 0.6] + [0.5] * 6, base)
+    text = claims_report.report("cpu_zo_claims", results / "results").read_text()
+    assert ("(b) stability, `ada_official` vs `tt_q1`: **confirmed (interim: `ada_official` 3 of 4 seeds)**: "
+            "unstable 0/3 vs 4/4 (one-sided Fisher p = 0.029)") in text
+    assert "(a) speed, `ada_official`: **refuted (interim: `ada_official` 3 of 4 seeds, `mezo_lora` 3 of 4 seeds)**" in text
+    assert "(c) accuracy, `ada_official` >= `tt_q1`: **unresolved (interim: `ada_official` 3 of 4 seeds)**" in text
+
+
 def test_unpaired_runs_are_refused(results):
     rng = np.random.default_rng(2)
     write_run("mezo_lora", 0, [1.0, 0.5], (rng.random(10) < 0.5).astype(float))

@@ -135,7 +135,16 @@ def first_at_or_below(curve: list[Point], target: float) -> float:
     return math.inf
 
 
-def speed(runs: dict[str, dict[int, Run]], cfg: dict) -> tuple[list[str], list[str]]:
+def interim(runs: dict[str, dict[int, Run]], arms: list[str], plan: dict[str, int] | None) -> str:
+    """' (interim: `arm` n of m seeds, ...)' for the arms of a verdict with seeds still to run; '' when none."""
+    missing = {arm: (len(runs.get(arm, {})), plan[arm]) for arm in arms
+               if plan and len(runs.get(arm, {})) < plan.get(arm, 0)}
+    return (" (interim: " + ", ".join(f"`{a}` {n} of {m} seeds" for a, (n, m) in missing.items()) + ")"
+            if missing else "")
+
+
+def speed(runs: dict[str, dict[int, Run]], cfg: dict,
+          plan: dict[str, int] | None = None) -> tuple[list[str], list[str]]:
     """Endpoint (a): forwards to MeZO-LoRA's plateau dev loss, per seed, as a share of MeZO-LoRA's own."""
     ref, k, limit = cfg["reference"], int(cfg["plateau_evals"]), float(cfg["max_ratio"])
     lines = [f"Target per seed: the mean of `{ref}`'s last {k} dev losses (its plateau, on the same dev set); "
@@ -166,6 +175,7 @@ def speed(runs: dict[str, dict[int, Run]], cfg: dict) -> tuple[list[str], list[s
             verdict = REFUTED
         else:
             verdict = UNRESOLVED
+        verdict += interim(runs, [arm, ref], plan) if n else ""
         finite = [r for r in ratios if not math.isinf(r)]
         geo = math.exp(np.mean(np.log(finite))) if finite and len(finite) == n else math.nan
         verdicts.append(f"- (a) speed, `{arm}`: **{verdict}**: r <= {limit:.3g} at {hits} of {n} seeds "
@@ -174,7 +184,8 @@ def speed(runs: dict[str, dict[int, Run]], cfg: dict) -> tuple[list[str], list[s
     return verdicts, lines
 
 
-def stability(runs: dict[str, dict[int, Run]], cfg: dict, alpha: float) -> tuple[list[str], list[str]]:
+def stability(runs: dict[str, dict[int, Run]], cfg: dict, alpha: float,
+              plan: dict[str, int] | None = None) -> tuple[list[str], list[str]]:
     """Endpoint (b): unstable runs (diverged, collapsed, or final / best dev loss above drift_ratio)."""
     constant, drift_limit = cfg["constant"], float(cfg["drift_ratio"])
 
@@ -205,6 +216,7 @@ def stability(runs: dict[str, dict[int, Run]], cfg: dict, alpha: float) -> tuple
             verdict = REFUTED
         else:
             verdict = UNRESOLVED
+        verdict += interim(runs, [arm, constant], plan) if mine and base else ""
         drift_diff = np.mean([mine[s].drift() - base[s].drift() for s in shared]) if shared else math.nan
         verdicts.append(f"- (b) stability, `{arm}` vs `{constant}`: **{verdict}**: unstable {bad_a}/{len(mine)} vs "
                         f"{bad_c}/{len(base)} (one-sided Fisher {p_is(p)}); final/best dev loss "
@@ -256,10 +268,8 @@ def accuracy(runs: dict[str, dict[int, Run]], cfg: dict, n_boot: int, alpha: flo
         lines.append(f"| {first} | {second} | {100 * b.diff:+.1f} [{100 * b.lo:+.1f}, {100 * b.hi:+.1f}] | "
                      f"{fmt_p(b.p)} | {m.a_only} / {m.b_only}, {fmt_p(m.p)} | "
                      f"{', '.join(f'{100 * d:+.1f}' for d in c['per_seed'])} | {fmt_p(c['flip'])} |")
-        missing = {arm: (len(runs.get(arm, {})), plan[arm]) for arm in (first, second)
-                   if plan and len(runs.get(arm, {})) < plan.get(arm, 0)}
-        if missing:  # seeds still to run: an arm with one seed so far is paired with every seed of the other
-            verdict += " (interim: " + ", ".join(f"`{a}` {n} of {m} seeds" for a, (n, m) in missing.items()) + ")"
+        # seeds still to run: an arm with one seed so far is paired with every seed of the other
+        verdict += interim(runs, [first, second], plan)
         verdicts.append(f"- (c) accuracy, `{first}` >= `{second}`: **{verdict}**: {100 * b.diff:+.1f} points "
                         f"[{100 * b.lo:+.1f}, {100 * b.hi:+.1f}], paired bootstrap {p_is(b.p)} "
                         f"({c['seeds'][0]} vs {c['seeds'][1]} seeds)")
@@ -373,9 +383,10 @@ def report(name: str, out: Path) -> Path:
     zo = [ends["speed"]["reference"], *ends["speed"]["arms"]]  # the arms on the forward-pass budget
     budget = int(config["train"]["max_forward_passes"])
     every = int(config["train"]["eval_every_forwards"])
-    v_a, t_a = speed(runs, ends["speed"])
-    v_b, t_b = stability(runs, ends["stability"], alpha)
-    v_c, t_c = accuracy(runs, ends["accuracy"], n_boot, alpha, {arm: len(planned(design, arm)) for arm in config["arms"]})
+    plan = {arm: len(planned(design, arm)) for arm in config["arms"]}
+    v_a, t_a = speed(runs, ends["speed"], plan)
+    v_b, t_b = stability(runs, ends["stability"], alpha, plan)
+    v_c, t_c = accuracy(runs, ends["accuracy"], n_boot, alpha, plan)
     seeds = list(design.seeds)
     text = [
         f"# {name}: the pre-registered test of AdaZeta's claims",
