@@ -41,6 +41,7 @@ def write_run(arm: str, seed: int, losses: list[float], correct: np.ndarray, sta
         "status": status, "reason": "dev loss above 1.5 x best" if status == "diverged" else None,
         "dev_accuracy": 0.7, "dev_loss": min(losses), "test_accuracy": float(correct.mean()),
         "forward_passes": steps[-1] * 2, "peak_mem_mb": 1000.0, "wall_time_s": 3000.0, "best_step": steps[best],
+        "steps": steps[-1],
         "git": {"commit": "abcdef0123", "dirty": False}}))
 
 
@@ -74,6 +75,8 @@ def test_verdicts_follow_the_preregistered_rules(results):
     assert "(a) speed, `tt_q1`: **confirmed**" in text
     # (b) every tt_q1 run diverged, no adaptive run did: Fisher p = 1 / 70
     assert "(b) stability, `ada_official` vs `tt_q1`: **confirmed**: unstable 0/4 vs 4/4 (one-sided Fisher p = 0.014)" in text
+    assert ("at 1500 steps every `tt_q1` run had passed its best: fewer steps alone do not explain the difference."
+            in text)
     # (c) +6.9 points on every seed
     assert "(c) accuracy, `ada_official` >= `mezo_lora`: **confirmed**: +6.9 points" in text
     assert "(c) accuracy, `tt_q1` >= `mezo_lora`: **unresolved**" in text  # identical predictions: p = 1
@@ -100,15 +103,19 @@ def test_a_verdict_with_seeds_still_to_run_says_interim_for_every_endpoint(resul
     rng = np.random.default_rng(3)
     base = (rng.random(50) < 0.7).astype(float)
     for seed in range(4):
-        write_run("tt_q1", seed, [1.0, 0.5, 0.5, 0.5, 0.7], base, status="diverged")
+        write_run("tt_q1", seed, [1.0, 0.9, 0.8, 0.5, 0.9], base, status="diverged")  # best at step 300
         if seed < 3:
-            write_run("ada_official", seed, [1.0, 0.6, 0.5, 0.5, 0.5], base)
+            write_run("ada_official", seed, [1.0, 0.6, 0.5], base)                      # 200 steps in all
             write_run("mezo_lora", seed, [1.0, 0.6] + [0.5] * 6, base)
     text = claims_report.report("cpu_zo_claims", results / "results").read_text()
     assert ("(b) stability, `ada_official` vs `tt_q1`: **confirmed (interim: `ada_official` 3 of 4 seeds)**: "
             "unstable 0/3 vs 4/4 (one-sided Fisher p = 0.029)") in text
     assert "(a) speed, `ada_official`: **refuted (interim: `ada_official` 3 of 4 seeds, `mezo_lora` 3 of 4 seeds)**" in text
     assert "(c) accuracy, `ada_official` >= `tt_q1`: **unresolved (interim: `ada_official` 3 of 4 seeds)**" in text
+    # ada_official stops at 200 steps, before any tt_q1 run reached its best (step 300): fewer steps, not steadier
+    assert ("Steps: `ada_official` takes 200 steps in its forward budget; `tt_q1`'s best dev state comes at step 300, "
+            "its drift after it; at 200 steps 4 of 4 `tt_q1` runs had not yet passed their best: this endpoint cannot "
+            "tell a steadier step from fewer steps.") in text
 
 
 def test_unpaired_runs_are_refused(results):

@@ -192,10 +192,12 @@ def stability(runs: dict[str, dict[int, Run]], cfg: dict, alpha: float,
     def unstable(run: Run) -> bool:
         return run.unstable_reason is not None or run.drift() > drift_limit
 
-    lines = ["| arm | seed | status | final / best dev loss | unstable |", "|---|---:|---|---:|---|"]
+    lines = ["| arm | seed | status | steps | step of best dev | final / best dev loss | unstable |",
+             "|---|---:|---|---:|---:|---:|---|"]
     for arm in [constant, *cfg["adaptive"]]:
         for seed, run in sorted(runs.get(arm, {}).items()):
-            lines.append(f"| {arm} | {seed} | {run.rec['status']} | {run.drift():.3f} | "
+            lines.append(f"| {arm} | {seed} | {run.rec['status']} | {run.rec.get('steps', MISSING)} | "
+                         f"{run.rec.get('best_step', MISSING)} | {run.drift():.3f} | "
                          f"{'yes' if unstable(run) else 'no'}{': ' + run.unstable_reason if run.unstable_reason else ''} |")
     verdicts = []
     base = runs.get(constant, {})
@@ -221,6 +223,19 @@ def stability(runs: dict[str, dict[int, Run]], cfg: dict, alpha: float,
         verdicts.append(f"- (b) stability, `{arm}` vs `{constant}`: **{verdict}**: unstable {bad_a}/{len(mine)} vs "
                         f"{bad_c}/{len(base)} (one-sided Fisher {p_is(p)}); final/best dev loss "
                         f"{fmt(drift_diff)} vs `{constant}` paired by seed (sign-flip {p_is(flip)}, {len(shared)} seeds)")
+    # The same forwards buy an adaptive arm fewer steps (Q queries a step): say where the constant arm's runs
+    # were at the adaptive arms' step counts, so that a reader can tell fewer steps from steadier ones.
+    best = [r.rec["best_step"] for r in base.values() if isinstance(r.rec.get("best_step"), int)]
+    for arm in cfg["adaptive"]:
+        steps = [r.rec["steps"] for r in runs.get(arm, {}).values() if isinstance(r.rec.get("steps"), int)]
+        if steps and best:
+            span = lambda v: f"{min(v)}" if min(v) == max(v) else f"{min(v)}-{max(v)}"  # noqa: E731
+            early = sum(b >= max(steps) for b in best)
+            reading = (f"{early} of {len(best)} `{constant}` runs had not yet passed their best: this endpoint cannot "
+                       "tell a steadier step from fewer steps" if early else
+                       f"every `{constant}` run had passed its best: fewer steps alone do not explain the difference")
+            lines += ["", f"Steps: `{arm}` takes {span(steps)} steps in its forward budget; `{constant}`'s best dev "
+                      f"state comes at step {span(best)}, its drift after it; at {max(steps)} steps {reading}."]
     return verdicts, lines
 
 
