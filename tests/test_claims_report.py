@@ -69,7 +69,7 @@ def test_verdicts_follow_the_preregistered_rules(results):
     path = claims_report.report("cpu_zo_claims", results / "results")
     text = path.read_text()
     # (a) target = mean(last 3) = 1 - 0.03 * 14 = 0.58 reached by MeZO-LoRA at 2,800 forwards; the fast arms at 200
-    assert "| ada_official | 0 | 0.5800 | 2800 | 200 | 0.07 |" in text
+    assert "| ada_official | 0 | 0.5800 | 1.05 | 2800 | 200 | 0.07 |" in text
     assert "(a) speed, `ada_official`: **confirmed**: r <= 0.333 at 4 of 4 seeds (one-sided sign test p = 0.062" in text
     # tt_q1 reaches 0.58 at 400 forwards too (0.5 < 0.58): r = 0.14
     assert "(a) speed, `tt_q1`: **confirmed**" in text
@@ -116,6 +116,21 @@ def test_a_verdict_with_seeds_still_to_run_says_interim_for_every_endpoint(resul
     assert ("Steps: `ada_official` takes 200 steps in its forward budget; `tt_q1`'s best dev state comes at step 300, "
             "its drift after it; at 200 steps 4 of 4 `tt_q1` runs had not yet passed their best: this endpoint cannot "
             "tell a steadier step from fewer steps.") in text
+
+
+def test_a_drifted_reference_and_a_ratio_of_exactly_a_third_are_pointed_out(results):
+    """The registered rule is applied as written; the report says when its target is a drifted level and when a
+    ratio sits on the 1/3 boundary (200 / 600 forwards), so a reader does not take either at face value."""
+    base = (np.random.default_rng(4).random(50) < 0.7).astype(float)
+    write_run("mezo_lora", 0, [1.0, 0.9, 0.8, 0.5, 0.75, 0.75, 0.75], base)  # best 0.5, "plateau" 0.75: 1.5x
+    write_run("ada_official", 0, [1.0, 0.7, 0.6], base)                        # reaches 0.75 at 200 forwards
+    text = claims_report.report("cpu_zo_claims", results / "results").read_text()
+    assert "| ada_official | 0 | 0.7500 | 1.50 | 600 | 200 | 0.33 |" in text
+    assert ("At seed 0 `mezo_lora`'s last 3 evaluations average 1.50x its best dev loss: the target is a level it "
+            "drifted back up to, which it first passed on its way down, not a plateau.") in text
+    assert ("`ada_official` at seed 0: r = 200 / 600, a third to float rounding, counts as above the registered "
+            "0.3333333333") in text
+    assert "(a) speed, `ada_official`: **refuted (interim:" in text  # as registered: r > max_ratio at 1 of 1 seeds
 
 
 def test_unpaired_runs_are_refused(results):
