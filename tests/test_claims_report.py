@@ -131,6 +131,7 @@ def test_a_drifted_reference_and_a_ratio_of_exactly_a_third_are_pointed_out(resu
     assert ("`ada_official` at seed 0: r = 200 / 600, a third to float rounding, counts as above the registered "
             "0.3333333333") in text
     assert "(a) speed, `ada_official`: **refuted (interim:" in text  # as registered: r > max_ratio at 1 of 1 seeds
+    assert "its seeds' targets or ratios carry notes: see (a) below" in text
 
 
 def test_unpaired_runs_are_refused(results):

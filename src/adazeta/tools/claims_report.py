@@ -195,7 +195,9 @@ def speed(runs: dict[str, dict[int, Run]], cfg: dict,
         geo = math.exp(np.mean(np.log(finite))) if finite and len(finite) == n else math.nan
         verdicts.append(f"- (a) speed, `{arm}`: **{verdict}**: r <= {limit:.3g} at {hits} of {n} seeds "
                         f"(one-sided sign test {p_is(stats.sign_test(hits, n))}; geometric mean r = {fmt(geo, 2)})"
-                        + (f"; {skipped} seed(s) without a target (`{ref}` diverged)" if skipped else ""))
+                        + (f"; {skipped} seed(s) without a target (`{ref}` diverged)" if skipped else "")
+                        + ("; its seeds' targets or ratios carry notes: see (a) below"
+                           if any(key[0] == "drift" or key[1] == arm for key in notes) and n else ""))
     lines += [line for note in notes.values() for line in ("", note)]
     return verdicts, lines
 
