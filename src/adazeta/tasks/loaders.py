@@ -292,13 +292,6 @@ def _bad_utf8_line(path: Path) -> int:
 # Rows of one split, from either source
 
 
-def _coerce_label(value: Any) -> Any:
-    """TSV labels arrive as strings: turn '0'/'1' into ints so they match numeric label lists."""
-    if isinstance(value, str) and value.lstrip("-").isdigit():
-        return int(value)
-    return value
-
-
 def _all_int(values: Sequence[Any]) -> bool:
     return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
@@ -321,7 +314,7 @@ class Rows:
         if self._names is not None and isinstance(value, int) and not isinstance(value, bool):
             if 0 <= value < len(self._names):
                 value = self._names[value]
-        return self.spec.label_index(_coerce_label(value), where)
+        return self.spec.label_index(value, where)  # TSV text such as '1' or '1.0' is read there
 
     def _where(self, row: dict[str, Any], i: int) -> str:
         return row.get("_where") or f"{self.where} row {i}"
