@@ -22,7 +22,7 @@ DEMO_ARGS ?= method=adazeta task=sst2 model=smollm2-135m method.adapter.init=ide
              data.num_train=1000 data.num_dev=100 data.num_eval=200 wandb.mode=disabled
 
 .PHONY: help setup demo test test-fast dry-run tables figures cpu-convergence cpu-zo cpu-zo-report cpu-zo-claims \
-        cpu-zo-claims-report cpu-zo-optimizers cpu-zo-optimizers-report grad-fidelity \
+        cpu-zo-claims-report cpu-zo-speed cpu-zo-speed-report cpu-zo-optimizers cpu-zo-optimizers-report grad-fidelity \
         bench-memory bench bench-gpu bench-dist clean
 
 help:
@@ -38,6 +38,8 @@ help:
 	@echo "make cpu-zo-report    its table and figures from whatever has run"
 	@echo "make cpu-zo-claims    the pre-registered test of AdaZeta's claims (days on 2 cores; finished runs are skipped)"
 	@echo "make cpu-zo-claims-report  each endpoint's verdict (confirmed / refuted / unresolved) with its test"
+	@echo "make cpu-zo-speed     the pre-registered follow-up of the speed claim: MeZO-LoRA's best dev loss, fresh seeds"
+	@echo "make cpu-zo-speed-report   its verdicts, as cpu-zo-claims-report"
 	@echo "make cpu-zo-optimizers   the pre-registered comparison of the field's ZO optimizers (lr grids, then seeds)"
 	@echo "make cpu-zo-optimizers-report  shares of ZO-SGD's forwards, the 0.75 goal, paired test accuracy"
 	@echo "make grad-fidelity    ZO estimate vs autograd gradient as Q grows, per method (about an hour on 1 core)"
@@ -92,6 +94,12 @@ cpu-zo-claims: setup
 
 cpu-zo-claims-report: setup
 	$(BIN)/python -m adazeta.tools.claims_report cpu_zo_claims
+
+cpu-zo-speed: setup
+	$(BIN)/python -m adazeta.tools.experiment cpu_zo_speed wandb.mode=offline
+
+cpu-zo-speed-report: setup
+	$(BIN)/python -m adazeta.tools.claims_report cpu_zo_speed
 
 cpu-zo-optimizers: setup
 	$(BIN)/python -m adazeta.tools.experiment cpu_zo_optimizers --phase select --jobs 2 --threads 1 wandb.mode=offline

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+
+import adazeta  # noqa: F401  (registers ${experiment_sweep:}, which experiment configs compose with)
 from omegaconf import DictConfig
 
 ROOT = Path(__file__).resolve().parents[1]

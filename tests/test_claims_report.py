@@ -18,9 +18,10 @@ CONFIG, DESIGN = load("cpu_zo_claims")
 
 
 def write_run(arm: str, seed: int, losses: list[float], correct: np.ndarray, status: str = "finished",
-              every: int = 200) -> None:
+              every: int = 200, experiment: str = "cpu_zo_claims") -> None:
     """A run whose dev loss is ``losses[i]`` after i x ``every`` forward passes (Q = 1: 2 forwards a step)."""
-    run_dir = Job(arm, DESIGN.arms[arm].lrs[0], seed, "cpu_zo_claims", []).run_dir
+    design = DESIGN if experiment == "cpu_zo_claims" else load(experiment)[1]
+    run_dir = Job(arm, design.arms[arm].lrs[0], seed, experiment, []).run_dir
     (run_dir / "predictions").mkdir(parents=True)
     steps = [i * every // 2 for i in range(len(losses))]
     with open(run_dir / "metrics.csv", "w") as f:
@@ -132,6 +133,36 @@ def test_a_drifted_reference_and_a_ratio_of_exactly_a_third_are_pointed_out(resu
             "0.3333333333") in text
     assert "(a) speed, `ada_official`: **refuted (interim:" in text  # as registered: r > max_ratio at 1 of 1 seeds
     assert "its seeds' targets or ratios carry notes: see (a) below" in text
+
+
+def test_the_speed_follow_up_targets_the_references_best_and_counts_a_third_exactly(results):
+    """cpu_zo_speed registers MeZO-LoRA's best dev loss as the target (a diverged reference keeps it) and
+    "at most 1/3" as an exact fraction of forward counts: 200 / 600 counts for the claim, 400 / 600 does not."""
+    _, design = load("cpu_zo_speed")
+    assert list(design.seeds) == [4, 5, 6, 7]
+    base = (np.random.default_rng(5).random(50) < 0.7).astype(float)
+    for seed in design.seeds:
+        # best 0.5 at 600 forwards, then the divergence rule stops it: no plateau, but a best
+        write_run("mezo_lora", seed, [1.0, 0.9, 0.8, 0.5, 0.9, 0.9, 0.9], base, status="diverged",
+                  experiment="cpu_zo_speed")
+        write_run("ada_official", seed, [1.0, 0.5, 0.5], base, experiment="cpu_zo_speed")       # 200: r = 1/3
+        write_run("ada_paper", seed, [1.0, 0.6, 0.49], base, experiment="cpu_zo_speed")         # 400: r = 2/3
+        write_run("tt_q1", seed, [1.0, 0.6, 0.6, 0.6] if seed < 6 else [1.0, 0.4], base,       # never / 200
+                  experiment="cpu_zo_speed")
+    text = claims_report.report("cpu_zo_speed", results / "results").read_text()
+    assert "Target per seed: `mezo_lora`'s best dev loss" in text and "the claim: r <= 1/3." in text
+    assert "| ada_official | 4 | 0.5000 | 1.00 | 600 | 200 | 0.33 |" in text
+    assert "(a) speed, `ada_official`: **confirmed**: r <= 1/3 at 4 of 4 seeds (one-sided sign test p = 0.062" in text
+    assert "(a) speed, `ada_paper`: **refuted**: r <= 1/3 at 0 of 4 seeds" in text
+    assert "| tt_q1 | 4 | 0.5000 | 1.00 | 600 | never | ∞ |" in text
+    assert "(a) speed, `tt_q1`: **unresolved**: r <= 1/3 at 2 of 4 seeds" in text
+    assert "without a target" not in text and "a third to float rounding" not in text
+    assert "This experiment registers no training-free baseline." in text
+
+
+def test_a_speed_target_other_than_plateau_or_best_is_refused(results):
+    with pytest.raises(SystemExit, match="endpoints.speed.target is 'last'; use plateau or best"):
+        claims_report.speed({}, {"reference": "mezo_lora", "arms": [], "target": "last", "max_ratio": [1, 3]})
 
 
 def test_unpaired_runs_are_refused(results):
