@@ -203,6 +203,39 @@ def test_the_readme_cpu_zo_table_is_the_reports():
     assert checked == 7
 
 
+def test_the_readme_cpu_zo_claims_verdicts_and_numbers_are_the_reports():
+    """The README's cpu_zo_claims section against results/tables/cpu_zo_claims_report.md (generated from the
+    committed runs): each row of its verdict table is one of the report's verdicts, word for word, and the
+    baselines' and ZO arms' test accuracies it quotes are the report's."""
+    import re
+
+    report = (ROOT / "results" / "tables" / "cpu_zo_claims_report.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### The pre-registered test: `experiment=cpu_zo_claims`"):
+                     readme.index("### How good is a ZO gradient here?")]
+    verdicts = {m.group(1): (m.group(2), m.group(3)) for m in
+                re.finditer(r"^- (\(.\) [^:]+): \*\*([^*]+)\*\*: (.*)$", report, re.M)}
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| (")]
+    assert {r[0] for r in rows} == set(verdicts), "the README lists every verdict of the report, and no other"
+    for endpoint, verdict, evidence in rows:
+        assert verdict == verdicts[endpoint][0], endpoint
+        for part in evidence.split("; "):
+            assert part in verdicts[endpoint][1], (endpoint, part)
+    accuracy = {}
+    for line in report.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 10 and re.fullmatch(r"[a-z_0-9]+", cells[0]) and cells[0] != "arm" and cells[2] != "—":
+            accuracy[cells[0]] = float(cells[2].split()[0])
+    for arm in ("lp", "zero_shot_p2"):
+        assert f"{accuracy[arm]:.1f}" in section, arm
+    for arm, words in (("zero_shot", "raw zero-shot ({})"), ("zero_shot_p2_prior", "{} with the dev-fitted"),
+                       ("zero_shot_cc", "raw zero-shot to {}"), ("zero_shot_prior", "class prior to {}")):
+        assert words.format(f"{accuracy[arm]:.1f}") in section, arm
+    zo = [accuracy[a] for a in ("mezo_lora", "ada_official", "ada_paper", "tt_q1")]
+    assert f"test at {min(zo):.1f}-{max(zo):.1f} on average over seeds" in section
+
+
 def test_a_damaged_run_record_stops_the_report_with_one_line_naming_it(results):
     """A result.json cut while being written is not dropped from the verdicts in silence."""
     write_run("mezo_lora", 0, [1.0, 0.6, 0.5], np.ones(20))
