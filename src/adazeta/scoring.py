@@ -317,6 +317,81 @@ def first_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+@dataclass
+class _Plan:
+    """Rows of token ids being laid out and, per candidate token, the (row, t) of the hidden state predicting it."""
+
+    max_c: int
+    rows: list[list[int]] = dataclasses.field(default_factory=list)
+    # packed layout only: (position ids, unit, branch) per row
+    extra: list[tuple[list[int], list[int], list[int]]] = dataclasses.field(default_factory=list)
+    scored: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)  # (row, t, token, candidate)
+    cand_len: list[int] = dataclasses.field(default_factory=list)
+    cand_slot: list[int] = dataclasses.field(default_factory=list)
+
+    def add_candidate(self, i: int, j: int, cand: list[int], at: list[tuple[int, int]]) -> None:
+        c = len(self.cand_len)
+        self.scored.extend((r, t, tok, c) for (r, t), tok in zip(at, cand))
+        self.cand_len.append(len(cand))
+        self.cand_slot.append(i * self.max_c + j)
+
+
+def _plan_packed(items: Sequence[Encoded], plan: _Plan) -> None:
+    """Causal LMs, packed: examples share rows (first fit), each candidate a branch after its prompt."""
+    placed: dict[int, tuple[int, int]] = {}  # example -> (row, start)
+    for members in first_fit([e.num_tokens() for e in items], max(e.num_tokens() for e in items)):
+        ids: list[int] = []
+        pos: list[int] = []
+        unit: list[int] = []
+        branch: list[int] = []
+        for i in members:
+            ex = items[i]
+            placed[i] = (len(plan.rows), len(ids))
+            p = len(ex.prompt)
+            ids += ex.prompt
+            pos += range(p)
+            branch += [0] * p
+            for j, cand in enumerate(ex.candidates):
+                ids += cand[:-1]
+                pos += range(p, p + len(cand) - 1)
+                branch += [j + 1] * (len(cand) - 1)
+            unit += [i] * (len(ids) - len(unit))
+        plan.rows.append(ids)
+        plan.extra.append((pos, unit, branch))
+    for i, ex in enumerate(items):  # example order, so that candidate indices do not depend on the packing
+        r, start = placed[i]
+        last_prompt = start + len(ex.prompt) - 1
+        offset = start + len(ex.prompt)
+        for j, cand in enumerate(ex.candidates):
+            # Token 0 is predicted at the prompt's last position, token k at candidate token k - 1.
+            at = [(r, last_prompt)] + [(r, offset + k) for k in range(len(cand) - 1)]
+            plan.add_candidate(i, j, cand, at)
+            offset += len(cand) - 1
+
+
+def _plan_rows(items: Sequence[Encoded], family: str, mask_id: int | None, plan: _Plan) -> None:
+    """A row per example (masked LMs, shared prompts) or per example and candidate."""
+    for i, ex in enumerate(items):
+        if family == "masked" or ex.shared_prompt:
+            r = len(plan.rows)
+            plan.rows.append(ex.prompt)
+            at = ex.prompt.index(mask_id) if family == "masked" else len(ex.prompt) - 1
+            for j, cand in enumerate(ex.candidates):
+                plan.add_candidate(i, j, cand, [(r, at)])
+        else:
+            for j, cand in enumerate(ex.candidates):
+                r = len(plan.rows)
+                plan.rows.append(ex.prompt + cand)
+                plan.add_candidate(i, j, cand, [(r, len(ex.prompt) + k - 1) for k in range(len(cand))])
+
+
+def _right_padded(rows: list[list[int]], width: int, fill: int) -> torch.Tensor:
+    out = torch.full((len(rows), width), fill, dtype=torch.long)
+    for r, ids in enumerate(rows):
+        out[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out
+
+
 def collate(
     items: Sequence[Encoded], family: str, pad_id: int, mask_id: int | None = None, layout: str = "packed"
 ) -> Batch:
@@ -326,80 +401,20 @@ def collate(
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}; known: {', '.join(LAYOUTS)}")
-    max_c = max(len(e.candidates) for e in items)
-    cand_len: list[int] = []
-    cand_slot: list[int] = []
-    # Per example and candidate: the (row, t) of the hidden state predicting each of its tokens.
-    scored: list[tuple[int, int, int, int]] = []  # (row, t, target token, flat candidate)
-    rows: list[list[int]] = []
-    extra: list[tuple[list[int], list[int], list[int]]] = []  # packed: (position ids, unit, branch) per row
-
-    def add_candidate(i: int, j: int, cand: list[int], at: list[tuple[int, int]]) -> None:
-        c = len(cand_len)
-        scored.extend((r, t, tok, c) for (r, t), tok in zip(at, cand))
-        cand_len.append(len(cand))
-        cand_slot.append(i * max_c + j)
-
+    plan = _Plan(max_c=max(len(e.candidates) for e in items))
     if family == "causal" and layout == "packed":
-        placed: dict[int, tuple[int, int]] = {}  # example -> (row, start)
-        for members in first_fit([e.num_tokens() for e in items], max(e.num_tokens() for e in items)):
-            ids: list[int] = []
-            pos: list[int] = []
-            unit: list[int] = []
-            branch: list[int] = []
-            for i in members:
-                ex = items[i]
-                placed[i] = (len(rows), len(ids))
-                p = len(ex.prompt)
-                ids += ex.prompt
-                pos += range(p)
-                branch += [0] * p
-                for j, cand in enumerate(ex.candidates):
-                    ids += cand[:-1]
-                    pos += range(p, p + len(cand) - 1)
-                    branch += [j + 1] * (len(cand) - 1)
-                unit += [i] * (len(ids) - len(unit))
-            rows.append(ids)
-            extra.append((pos, unit, branch))
-        for i, ex in enumerate(items):  # example order, so that candidate indices do not depend on the packing
-            r, start = placed[i]
-            last_prompt = start + len(ex.prompt) - 1
-            offset = start + len(ex.prompt)
-            for j, cand in enumerate(ex.candidates):
-                # Token 0 is predicted at the prompt's last position, token k at candidate token k - 1.
-                at = [(r, last_prompt)] + [(r, offset + k) for k in range(len(cand) - 1)]
-                add_candidate(i, j, cand, at)
-                offset += len(cand) - 1
+        _plan_packed(items, plan)
     else:
-        for i, ex in enumerate(items):
-            if family == "masked" or ex.shared_prompt:
-                r = len(rows)
-                rows.append(ex.prompt)
-                at = ex.prompt.index(mask_id) if family == "masked" else len(ex.prompt) - 1
-                for j, cand in enumerate(ex.candidates):
-                    add_candidate(i, j, cand, [(r, at)])
-            else:
-                for j, cand in enumerate(ex.candidates):
-                    r = len(rows)
-                    rows.append(ex.prompt + cand)
-                    add_candidate(i, j, cand, [(r, len(ex.prompt) + k - 1) for k in range(len(cand))])
-
+        _plan_rows(items, family, mask_id, plan)
+    rows, scored = plan.rows, plan.scored
     width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, ids in enumerate(rows):
-        input_ids[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[r, : len(ids)] = 1
+    input_ids = _right_padded(rows, width, pad_id)
+    attention_mask = _right_padded([[1] * len(r) for r in rows], width, 0)
     packed: dict[str, Any] = {}
-    if extra:
-        position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-        unit = torch.full((len(rows), width), -1, dtype=torch.long)
-        branch = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, (pos, un, br) in enumerate(extra):
-            position_ids[r, : len(pos)] = torch.tensor(pos, dtype=torch.long)
-            unit[r, : len(un)] = torch.tensor(un, dtype=torch.long)
-            branch[r, : len(br)] = torch.tensor(br, dtype=torch.long)
-        packed = dict(position_ids=position_ids, unit=unit, branch=branch, items=tuple(items))
+    if plan.extra:
+        packed = dict(position_ids=_right_padded([e[0] for e in plan.extra], width, 0),
+                      unit=_right_padded([e[1] for e in plan.extra], width, -1),
+                      branch=_right_padded([e[2] for e in plan.extra], width, 0), items=tuple(items))
     read: dict[int, int] = {}  # flat position -> its row in `positions`, in first-read order
     token_position = [read.setdefault(r * width + t, len(read)) for r, t, _, _ in scored]
     return Batch(
@@ -409,10 +424,10 @@ def collate(
         token_position=torch.tensor(token_position, dtype=torch.long),
         targets=torch.tensor([tok for _, _, tok, _ in scored], dtype=torch.long),
         token_candidate=torch.tensor([c for _, _, _, c in scored], dtype=torch.long),
-        candidate_length=torch.tensor(cand_len, dtype=torch.float32),
-        candidate_slot=torch.tensor(cand_slot, dtype=torch.long),
+        candidate_length=torch.tensor(plan.cand_len, dtype=torch.float32),
+        candidate_slot=torch.tensor(plan.cand_slot, dtype=torch.long),
         gold=torch.tensor([e.gold for e in items], dtype=torch.long),
-        max_candidates=max_c,
+        max_candidates=plan.max_c,
         pad_id=pad_id,
         mask_id=mask_id,
         **packed,
