@@ -66,29 +66,14 @@ def mean_std(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
     return text
 
 
-@one_line_errors
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--experiment", default="cpu_zo")
-    parser.add_argument("--target", type=float, default=0.75, help="dev accuracy whose cost in forwards is reported")
-    args = parser.parse_args()
-    name = args.experiment
-    config, design = load_experiment(name)
-    arms, select_seed, seeds, order = design.arms, design.select_seed, list(design.seeds), list(design.order)
-    budget = config["train"]["max_forward_passes"]
-
-    lines = [f"# {name}: SmolLM2-135M on SST-2, {budget} forward passes per ZO run", ""]
-    lines += [
-        f"Made by `python -m adazeta.tools.cpu_zo_report` from results/runs/{name}/ "
-        f"(`python -m adazeta.tools.experiment {name}`).",
-        f"Learning rates chosen on dev accuracy (200 dev examples; ties: dev loss) at seed {select_seed}; test = the",
-        "872 SST-2 validation sentences, read only for the chosen lr. Forward passes count every loss evaluation of",
-        "the ZO estimator (2Q a step); the first-order arm counts one per step (each also runs a backward pass).",
-        "",
+def grids(name: str, order: list[str], arms: dict, select_seed: int) -> tuple[list[str], dict]:
+    """The learning-rate grid table at the selection seed, and each arm's chosen lr (UNDECIDED until its grid ran)."""
+    width = max(len(a.lrs) for a in arms.values())
+    lines = [
         "## Learning-rate grids (seed %d): dev accuracy (dev loss), status" % select_seed,
         "",
-        "| arm | " + " | ".join(f"lr {i + 1}" for i in range(max(len(a.lrs) for a in arms.values()))) + " | chosen |",
-        "|---|" + "---|" * (max(len(a.lrs) for a in arms.values()) + 1),
+        "| arm | " + " | ".join(f"lr {i + 1}" for i in range(width)) + " | chosen |",
+        "|---|" + "---|" * (width + 1),
     ]
     chosen = {}
     for arm in order:
@@ -103,30 +88,26 @@ def main() -> None:
                 cells.append(f"{tag}{rec['dev_accuracy']:.3f} ({rec['dev_loss']:.3f}){mark}")
         lr = chosen_lr(name, arms[arm], select_seed)
         chosen[arm] = lr
-        width = max(len(a.lrs) for a in arms.values())
         cells += [""] * (width - len(cells))
         pick = "not yet" if lr is UNDECIDED else ("—" if lr is None else f"{lr:g}")
         lines.append(f"| {arm} | " + " | ".join(cells) + f" | {pick} |")
+    return lines, chosen
 
-    runs = {arm: [r for s in seeds if chosen[arm] is not UNDECIDED
-                  for r in [load(Job(arm, chosen[arm], s, name, []).run_dir)] if r is not None] for arm in order}
-    zero = [r["test_accuracy"] for r in runs.get("zero_shot", [])]
-    zero_test = statistics.mean(zero) if zero else math.nan
-    mezo_lora_final = [r["curve"][-1][1] for r in runs.get("mezo_lora", []) if r["curve"]]
-    lora_target = statistics.mean(mezo_lora_final) if mezo_lora_final else math.nan
-    lora_cost = statistics.mean(r["forward_passes"] for r in runs["mezo_lora"]) if runs.get("mezo_lora") else math.nan
 
-    lines += [
-        "",
+def chosen_settings(order: list[str], arms: dict, runs: dict, chosen: dict, seeds: list[int], target: float,
+                    zero_test: float, lora_target: float, lora_cost: float) -> tuple[list[str], list, list]:
+    """The table of each arm's chosen setting over seeds, and what the claims section reads off it: (gain over
+    zero-shot, arm) per ZO arm, and (arm, mean forwards to MeZO-LoRA's final dev loss, runs reaching it, runs)."""
+    lines = [
         f"## Chosen settings over seeds {seeds}: test accuracy as mean [95 % Student-t interval over seeds]; the other "
         "columns mean (std over seeds, ddof = 1)",
         "",
-        f"`to dev acc {args.target}`: forward passes until the first dev evaluation at or above it (runs that never "
+        f"`to dev acc {target}`: forward passes until the first dev evaluation at or above it (runs that never "
         "get there are counted in `reached`). `to MeZO-LoRA's final dev loss`: forward passes until dev loss "
         f"<= {lora_target:.4f}, the mean final dev loss of MeZO-LoRA's chosen runs after {lora_cost:g} forward passes.",
         "",
         "| arm | lr | runs | diverged | dev loss start -> best | test acc x100 | vs zero-shot | "
-        f"to dev acc {args.target} (reached) | to MeZO-LoRA's final dev loss (reached) | mean Q |",
+        f"to dev acc {target} (reached) | to MeZO-LoRA's final dev loss (reached) | mean Q |",
         "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     verdict_gain, verdict_speed = [], []
@@ -137,7 +118,7 @@ def main() -> None:
             lines.append(f"| {arm} | {'not chosen' if lr is UNDECIDED else lr} | 0 | | | | | | | |")
             continue
         tests = [r["test_accuracy"] for r in rs]
-        reach = [first_reaching(r["curve"], args.target, 2, below=False) for r in rs]
+        reach = [first_reaching(r["curve"], target, 2, below=False) for r in rs]
         hit = [first_reaching(r["curve"], lora_target, 1, below=True) for r in rs]
         start = statistics.mean(r["initial_dev_loss"] for r in rs)
         best = statistics.mean(r["dev_loss"] for r in rs)
@@ -154,31 +135,40 @@ def main() -> None:
             if arm.startswith("adazeta") and not math.isnan(lora_cost):
                 verdict_speed.append((arm, statistics.mean(hit) if all(not math.isnan(x) for x in hit) else math.nan,
                                       sum(not math.isnan(x) for x in hit), len(rs)))
+    return lines, verdict_gain, verdict_speed
 
+
+def stress_runs(name: str, order: list[str], arms: dict, design, chosen: dict) -> list[str]:
+    """Each ZO arm at the stress multiples of its chosen lr (a grid run where the lr is a grid point)."""
     stress = []
     for factor in design.stress:
         for arm in order:
             lr = chosen[arm]
             if lr is UNDECIDED or lr is None or arms[arm].first_order:
                 continue
-            rec = load(Job(arm, lr * float(factor), select_seed, f"{name}_stress", []).run_dir)
+            rec = load(Job(arm, lr * float(factor), design.select_seed, f"{name}_stress", []).run_dir)
             source = "stress run"
             if rec is None:  # the same lr may be a grid point: the same run (config, seed), already made
                 same = [g for g in arms[arm].lrs if g is not None and math.isclose(g, lr * float(factor), rel_tol=1e-6)]
-                rec = load(Job(arm, same[0], select_seed, name, []).run_dir) if same else None
+                rec = load(Job(arm, same[0], design.select_seed, name, []).run_dir) if same else None
                 source = "grid run"
             stress.append((arm, factor, lr * float(factor), rec, source))
-    lines += ["", f"## Stability: each ZO arm at {' and '.join(f'{f:g}x' for f in design.stress)} its "
-              f"chosen lr (seed {select_seed})", "", "| arm | factor | lr | status | reason | best dev loss | from |",
-              "|---|---:|---:|---|---|---:|---|"]
+    lines = [f"## Stability: each ZO arm at {' and '.join(f'{f:g}x' for f in design.stress)} its "
+             f"chosen lr (seed {design.select_seed})", "", "| arm | factor | lr | status | reason | best dev loss | from |",
+             "|---|---:|---:|---|---|---:|---|"]
     for arm, factor, lr, rec, source in stress:
         if rec is None:
             lines.append(f"| {arm} | {factor:g}x | {lr:g} | {MISSING} | | | |")
         else:
             lines.append(f"| {arm} | {factor:g}x | {lr:g} | {rec['status']} | {rec.get('reason') or ''} | "
                          f"{rec['dev_loss']:.3f} | {source} |")
+    return lines
 
-    lines += ["", "## The claims, as measured", ""]
+
+def claims(verdict_gain: list, verdict_speed: list, zero_test: float, lora_target: float,
+           lora_cost: float) -> list[str]:
+    """The claims as measured: the best ZO arm's gain over zero-shot, and AdaZeta's forwards to MeZO-LoRA's loss."""
+    lines = []
     if verdict_gain and not math.isnan(zero_test):
         best_gain, best_arm = max(verdict_gain)
         ok = "met" if best_gain >= 20 else "NOT met"
@@ -196,7 +186,53 @@ def main() -> None:
                          f"passes, {cost / lora_cost:.2f}x MeZO-LoRA's {lora_cost:g}: the 1/3 claim is {verdict}.")
     if not verdict_speed:
         lines.append("- AdaZeta against MeZO-LoRA: not measurable yet.")
-    lines += ["", "## What these numbers cannot show", "", *limits(config, [r for rs in runs.values() for r in rs])]
+    return lines
+
+
+@one_line_errors
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experiment", default="cpu_zo")
+    parser.add_argument("--target", type=float, default=0.75, help="dev accuracy whose cost in forwards is reported")
+    args = parser.parse_args()
+    name = args.experiment
+    config, design = load_experiment(name)
+    arms, select_seed, seeds, order = design.arms, design.select_seed, list(design.seeds), list(design.order)
+    budget = config["train"]["max_forward_passes"]
+
+    grid_lines, chosen = grids(name, order, arms, select_seed)
+    runs = {arm: [r for s in seeds if chosen[arm] is not UNDECIDED
+                  for r in [load(Job(arm, chosen[arm], s, name, []).run_dir)] if r is not None] for arm in order}
+    zero = [r["test_accuracy"] for r in runs.get("zero_shot", [])]
+    zero_test = statistics.mean(zero) if zero else math.nan
+    mezo_lora_final = [r["curve"][-1][1] for r in runs.get("mezo_lora", []) if r["curve"]]
+    lora_target = statistics.mean(mezo_lora_final) if mezo_lora_final else math.nan
+    lora_cost = statistics.mean(r["forward_passes"] for r in runs["mezo_lora"]) if runs.get("mezo_lora") else math.nan
+    chosen_lines, verdict_gain, verdict_speed = chosen_settings(order, arms, runs, chosen, seeds, args.target,
+                                                                zero_test, lora_target, lora_cost)
+    lines = [
+        f"# {name}: SmolLM2-135M on SST-2, {budget} forward passes per ZO run",
+        "",
+        f"Made by `python -m adazeta.tools.cpu_zo_report` from results/runs/{name}/ "
+        f"(`python -m adazeta.tools.experiment {name}`).",
+        f"Learning rates chosen on dev accuracy (200 dev examples; ties: dev loss) at seed {select_seed}; test = the",
+        "872 SST-2 validation sentences, read only for the chosen lr. Forward passes count every loss evaluation of",
+        "the ZO estimator (2Q a step); the first-order arm counts one per step (each also runs a backward pass).",
+        "",
+        *grid_lines,
+        "",
+        *chosen_lines,
+        "",
+        *stress_runs(name, order, arms, design, chosen),
+        "",
+        "## The claims, as measured",
+        "",
+        *claims(verdict_gain, verdict_speed, zero_test, lora_target, lora_cost),
+        "",
+        "## What these numbers cannot show",
+        "",
+        *limits(config, [r for rs in runs.values() for r in rs]),
+    ]
     out = Path("results", "tables", f"{name}_report.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
