@@ -77,4 +77,8 @@ def test_the_report_reads_each_arm_at_its_dev_chosen_lr(results):
     row = next(line for line in text.splitlines() if line.startswith("| tt_zo_adam | tt_zo_sgd |"))
     assert "+" in row.split("|")[3]  # tt_zo_adam is ahead on test, paired
     assert "undecided:" in text and "tt_es" in text  # arms whose grid has not run are named
+    # equal training time: 0.5 s a step of 2 forwards; at 2 min the last evaluation is at step 200 (400 forwards),
+    # at 4 min at step 450; no run trained for 6 min
+    assert "| arm | s / forward | 2 min | 4 min | 6 min | 8 min | 10 min |" in text
+    assert "| tt_zo_sgd | 0.25 | 0.840 / 64 | 0.640 / 69 | — | — | — |" in text
     assert (results / "results" / "figures" / f"{NAME}_curves.png").exists()

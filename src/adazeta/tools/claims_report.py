@@ -388,10 +388,12 @@ def overview(runs: dict[str, dict[int, Run]], config: dict, design: Design, n_bo
 
 
 def equal_budget(runs: dict[str, dict[int, Run]], arms: list[str], marks: list[float], axis: str = "forwards",
-                 label=lambda m: f"{m:g}") -> list[str]:
+                 label=lambda m: f"{m:g}", cost: bool = False) -> list[str]:
     """Mean dev loss / accuracy of each arm at equal budgets on ``axis`` (``forwards`` or ``wall_s``): each run's
-    last evaluation at or before the mark, for the runs that got that far."""
-    lines = ["| arm | " + " | ".join(label(m) for m in marks) + " |", "|---|" + "---:|" * len(marks)]
+    last evaluation at or before the mark, for the runs that got that far. ``cost``: a first column with the
+    training seconds per forward pass (mean over the arm's runs)."""
+    lines = ["| arm | " + ("s / forward | " if cost else "") + " | ".join(label(m) for m in marks) + " |",
+             "|---|" + "---:|" * (len(marks) + cost)]
     for arm in arms:
         cells = []
         for m in marks:
@@ -402,6 +404,10 @@ def equal_budget(runs: dict[str, dict[int, Run]], arms: list[str], marks: list[f
                     vals.append((before[-1].loss, before[-1].accuracy))
             cells.append(f"{np.mean([v[0] for v in vals]):.3f} / {100 * np.mean([v[1] for v in vals]):.0f}"
                          if vals else MISSING)
+        if cost:
+            per = [r.curve[-1].wall_s / r.curve[-1].forwards for r in runs.get(arm, {}).values()
+                   if r.curve and r.curve[-1].forwards]
+            cells.insert(0, f"{np.mean(per):.2f}" if per else MISSING)
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return lines
 

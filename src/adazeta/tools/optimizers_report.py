@@ -42,17 +42,21 @@ def load(name: str, design: Design) -> tuple[dict[str, float | None], dict[str, 
     select = design.select_seed
     chosen: dict[str, float | None] = {}
     runs: dict[str, dict[int, Run]] = {}
-    lines = ["| arm | lr | status | dev accuracy | best dev loss | chosen |", "|---|---:|---|---:|---:|---|"]
+    lines = ["| arm | lr | status | dev accuracy | best dev loss | final dev loss | s / forward | chosen |",
+             "|---|---:|---|---:|---:|---:|---:|---|"]
     for arm, spec in design.arms.items():
         lr = chosen_lr(name, spec, select)
         chosen[arm] = None if lr is UNDECIDED else lr
         for point in spec.lrs:
             run = load_run(arm, select, Job(arm, point, select, name, []).run_dir)
             if run is None:
-                lines.append(f"| {arm} | {point:g} | {MISSING} | | | |")
+                lines.append(f"| {arm} | {point:g} | {MISSING} | | | | | |")
                 continue
+            last = run.curve[-1] if run.curve else None
             lines.append(f"| {arm} | {point:g} | {run.rec['status']} | {100 * run.rec['dev_accuracy']:.1f} | "
-                         f"{run.rec['dev_loss']:.4f} | {'**yes**' if point == chosen[arm] else ''} |")
+                         f"{run.rec['dev_loss']:.4f} | {fmt(last.loss, 4) if last else MISSING} | "
+                         f"{fmt(last.wall_s / last.forwards, 2) if last and last.forwards else MISSING} | "
+                         f"{'**yes**' if point == chosen[arm] else ''} |")
         runs[arm] = {}
         if chosen[arm] is None:
             continue
@@ -204,6 +208,14 @@ def report(name: str, out: Path) -> Path:
         "## Equal budgets: mean dev loss / accuracy (%) at equal forward passes",
         "",
         *equal_budget(runs, decided, list(range(every * 2, budget + 1, every * 2))),
+        "",
+        "A forward is not the same cost for every optimizer: Forward-Grad's is a jvp (a forward carrying a tangent), "
+        "and the optimizers differ in the work of a step beyond its forwards. Training seconds per forward (the steps' "
+        "own time over their forward passes, evaluations excluded; one thread a run, two runs at a time on the same "
+        "machine, so the figures carry the machine's load) and the same curves at equal training time:",
+        "",
+        *equal_budget(runs, decided, [60.0 * m for m in (2, 4, 6, 8, 10)], "wall_s",
+                      label=lambda m: f"{m / 60:.0f} min", cost=True),
         "",
         "## The learning-rate grids (seed 0, dev only)",
         "",
