@@ -160,9 +160,12 @@ def test_the_speed_follow_up_targets_the_references_best_and_counts_a_third_exac
     assert "This experiment registers no training-free baseline." in text
 
 
-def test_a_speed_target_other_than_plateau_or_best_is_refused(results):
+def test_a_speed_target_other_than_plateau_or_best_or_a_bad_fraction_is_refused(results):
     with pytest.raises(SystemExit, match="endpoints.speed.target is 'last'; use plateau or best"):
         claims_report.speed({}, {"reference": "mezo_lora", "arms": [], "target": "last", "max_ratio": [1, 3]})
+    for bad in ([1, 0], [1, 3, 5], [0.5, 1], [-1, 3]):
+        with pytest.raises(SystemExit, match=r"max_ratio is .*; write a fraction as \[numerator, denominator\]"):
+            claims_report.speed({}, {"reference": "mezo_lora", "arms": [], "max_ratio": bad})
 
 
 def test_unpaired_runs_are_refused(results):

@@ -152,7 +152,10 @@ def ratio_limit(value) -> tuple[float, tuple[int, int] | None, str]:
     """A registered ``max_ratio``: a float (r <= it) or a fraction ``[num, den]`` compared exactly on the
     forward counts (F_arm * den <= F_ref * num), so that "at most 1/3" includes 1/3. (value, fraction, as text)."""
     if isinstance(value, (list, tuple)):
-        num, den = (int(v) for v in value)
+        if len(value) != 2 or not all(isinstance(v, int) for v in value) or value[0] < 0 or value[1] <= 0:
+            raise SystemExit(f"claims_report: endpoints.speed.max_ratio is {list(value)}; write a fraction as "
+                             "[numerator, denominator] with whole numbers and a positive denominator, e.g. [1, 3]")
+        num, den = value
         return num / den, (num, den), f"{num}/{den}"
     return float(value), None, f"{float(value):.3g}"
 
