@@ -43,7 +43,8 @@ MISSING = "—"
 # the key and one with this value are the same setting (as ``rundir.config_differences`` treats them).
 ADDED_DEFAULTS = {"train.select_on": "loss", "train.select_from": 0, "train.lm_reduction": "example",
                   "method.calibration": "none", "method.adapter.freeze_head": False, "method.adapter.train_head": False,
-                  "train.gradient_checkpointing": False, "eval.from": None}
+                  "train.gradient_checkpointing": False, "eval.from": None,
+                  "method.demonstrations.protocol": "shared"}
 
 
 def setting_of(config: dict[str, Any]) -> dict[str, Any]:
