@@ -230,8 +230,11 @@ def test_the_readme_cpu_zo_claims_verdicts_and_numbers_are_the_reports():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if len(cells) == 10 and re.fullmatch(r"[a-z_0-9]+", cells[0]) and cells[0] != "arm" and cells[2] != "—":
             accuracy[cells[0]] = float(cells[2].split()[0])
+    section = section.replace("\n  ", " ")  # the bullets' wrapped lines
     for arm in ("lp", "zero_shot_p2"):
         assert f"{accuracy[arm]:.1f}" in section, arm
+    icl = next(line for line in report.splitlines() if line.startswith("| icl |")).split("|")[3].strip()
+    assert f"scores {icl} over its" in section.replace("\n  ", " ")  # mean [95 % t interval] over its seeds
     for arm, words in (("zero_shot", "raw zero-shot ({})"), ("zero_shot_p2_prior", "{} with the dev-fitted"),
                        ("zero_shot_cc", "raw zero-shot to {}"), ("zero_shot_prior", "class prior to {}")):
         assert words.format(f"{accuracy[arm]:.1f}") in section, arm
