@@ -57,6 +57,11 @@ class Run:
             return "diverged: " + str(self.rec.get("reason"))
         return None
 
+    def seconds_per_forward(self) -> float:
+        """Training seconds per forward pass up to the last evaluation (evaluations excluded); nan without one."""
+        last = self.curve[-1] if self.curve else None
+        return last.wall_s / last.forwards if last and last.forwards else math.nan
+
     def drift(self) -> float:
         """Final / best dev loss over the run's evaluations."""
         losses = [p.loss for p in self.curve if not math.isnan(p.loss)]
@@ -408,8 +413,8 @@ def equal_budget(runs: dict[str, dict[int, Run]], arms: list[str], marks: list[f
             cells.append(f"{np.mean([v[0] for v in vals]):.3f} / {100 * np.mean([v[1] for v in vals]):.0f}"
                          if vals else MISSING)
         if cost:
-            per = [r.curve[-1].wall_s / r.curve[-1].forwards for r in runs.get(arm, {}).values()
-                   if r.curve and r.curve[-1].forwards]
+            per = [r.seconds_per_forward() for r in runs.get(arm, {}).values()]
+            per = [x for x in per if not math.isnan(x)]
             cells.insert(0, f"{np.mean(per):.2f}" if per else MISSING)
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return lines

@@ -52,10 +52,9 @@ def load(name: str, design: Design) -> tuple[dict[str, float | None], dict[str, 
             if run is None:
                 lines.append(f"| {arm} | {point:g} | {MISSING} | | | | | |")
                 continue
-            last = run.curve[-1] if run.curve else None
             lines.append(f"| {arm} | {point:g} | {run.rec['status']} | {100 * run.rec['dev_accuracy']:.1f} | "
-                         f"{run.rec['dev_loss']:.4f} | {fmt(last.loss, 4) if last else MISSING} | "
-                         f"{fmt(last.wall_s / last.forwards, 2) if last and last.forwards else MISSING} | "
+                         f"{run.rec['dev_loss']:.4f} | {fmt(run.curve[-1].loss, 4) if run.curve else MISSING} | "
+                         f"{fmt(run.seconds_per_forward(), 2)} | "
                          f"{'**yes**' if point == chosen[arm] else ''} |")
         runs[arm] = {}
         if chosen[arm] is None:
