@@ -82,3 +82,18 @@ def test_the_report_reads_each_arm_at_its_dev_chosen_lr(results):
     assert "| arm | s / forward | 2 min | 4 min | 6 min | 8 min | 10 min |" in text
     assert "| tt_zo_sgd | 0.25 | 0.840 / 64 | 0.640 / 69 | — | — | — |" in text
     assert (results / "results" / "figures" / f"{NAME}_curves.png").exists()
+    # both chosen rates are their grid's middle point; ZO-SGD's other points never changed a dev prediction
+    assert "are not extended in this experiment): none." in text
+    assert "tt_zo_sgd 0.0001 (dev loss -40.0 %), tt_zo_sgd 0.001 (dev loss -40.0 %)." in text
+
+
+def test_the_report_names_a_rate_chosen_at_an_end_of_its_grid(results):
+    correct = np.ones(872)
+    lrs = CONFIG["arms"]["tt_zo_sign"]["lr"]
+    for lr in lrs:  # the highest rate learns most: the best rate may lie beyond the grid
+        accs = [0.55] + [0.55 + (0.2 if lr == max(lrs) else 0.01)] * 10
+        write_run("tt_zo_sign", lr, 0, [1.0 - 0.01 * i for i in range(11)], accs, correct)
+    text = optimizers_report.report(NAME, results / "results").read_text()
+    assert f"| tt_zo_sign | {max(lrs):g} | finished | 75.0 |" in text and "| **yes** (highest point) |" in text
+    assert "are not extended in this experiment): tt_zo_sign (highest)." in text
+    assert "within the budget): none." in text  # every point changed a dev prediction

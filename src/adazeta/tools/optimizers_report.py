@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -37,11 +38,27 @@ def holm(pvalues: list[float]) -> list[float]:
     return adjusted
 
 
+def unmoved(run: Run) -> float | None:
+    """Where the run's dev accuracy stayed at its step-0 value at every evaluation (too small a rate to change a
+    prediction within the budget), its best dev loss's change from step 0 as a fraction; else None."""
+    if not run.curve or run.curve[0].forwards != 0 or any(p.accuracy != run.curve[0].accuracy for p in run.curve):
+        return None
+    return run.rec["dev_loss"] / run.curve[0].loss - 1.0
+
+
+def edge(lrs: Sequence[float], lr: float | None) -> str | None:
+    """'lowest' or 'highest' where ``lr`` is an end of a grid of several points, else None."""
+    if lr is None or len(lrs) < 2:
+        return None
+    return "lowest" if lr == min(lrs) else "highest" if lr == max(lrs) else None
+
+
 def load(name: str, design: Design) -> tuple[dict[str, float | None], dict[str, dict[int, Run]], list[str]]:
-    """(each arm's chosen lr or None, its runs at that lr by seed, the grid table's lines)."""
+    """(each arm's chosen lr or None, its runs at that lr by seed, the grid table's lines and its notes)."""
     select = design.select_seed
     chosen: dict[str, float | None] = {}
     runs: dict[str, dict[int, Run]] = {}
+    still: list[str] = []
     lines = ["| arm | lr | status | dev accuracy | best dev loss | final dev loss | s / forward | chosen |",
              "|---|---:|---|---:|---:|---:|---:|---|"]
     for arm, spec in design.arms.items():
@@ -52,10 +69,13 @@ def load(name: str, design: Design) -> tuple[dict[str, float | None], dict[str, 
             if run is None:
                 lines.append(f"| {arm} | {point:g} | {MISSING} | | | | | |")
                 continue
+            if (change := unmoved(run)) is not None:
+                still.append(f"{arm} {point:g} (dev loss {100 * change:+.1f} %)")
+            at = edge(spec.lrs, point) if point == chosen[arm] else None
+            mark = "" if point != chosen[arm] else "**yes**" + (f" ({at} point)" if at else "")
             lines.append(f"| {arm} | {point:g} | {run.rec['status']} | {100 * run.rec['dev_accuracy']:.1f} | "
                          f"{run.rec['dev_loss']:.4f} | {fmt(run.curve[-1].loss, 4) if run.curve else MISSING} | "
-                         f"{fmt(run.seconds_per_forward(), 2)} | "
-                         f"{'**yes**' if point == chosen[arm] else ''} |")
+                         f"{fmt(run.seconds_per_forward(), 2)} | {mark} |")
         runs[arm] = {}
         if chosen[arm] is None:
             continue
@@ -64,6 +84,13 @@ def load(name: str, design: Design) -> tuple[dict[str, float | None], dict[str, 
                 run = load_run(arm, seed, Job(arm, chosen[arm], seed, name, []).run_dir)
                 if run is not None:
                     runs[arm][seed] = run
+    edges = [f"{a} ({edge(design.arms[a].lrs, lr)})" for a, lr in chosen.items() if edge(design.arms[a].lrs, lr)]
+    lines += ["",
+              "Chosen at an end of its grid (the best rate may lie beyond it; the grids were fixed before the first "
+              f"run and are not extended in this experiment): {', '.join(edges) or 'none'}.",
+              "",
+              "Grid points whose dev accuracy never left its step-0 value (too small a rate to change a prediction "
+              f"within the budget): {', '.join(still) or 'none'}."]
     return chosen, runs, lines
 
 
