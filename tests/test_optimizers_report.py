@@ -94,6 +94,13 @@ def test_the_report_names_a_rate_chosen_at_an_end_of_its_grid(results):
         accs = [0.55] + [0.55 + (0.2 if lr == max(lrs) else 0.01)] * 10
         write_run("tt_zo_sign", lr, 0, [1.0 - 0.01 * i for i in range(11)], accs, correct)
     text = optimizers_report.report(NAME, results / "results").read_text()
+    assert "mixed versions" not in text and text.count("| abcdef0 |") == len(lrs) + 1  # the grid and the arm row
+    record = Job("tt_zo_sign", min(lrs), 0, NAME, []).run_dir / "result.json"
+    record.write_text(record.read_text().replace('"commit": "abcdef0123", "dirty": false',
+                                                 '"commit": "0123456789", "dirty": true'))
+    text = optimizers_report.report(NAME, results / "results").read_text()
+    assert f"| tt_zo_sign | {min(lrs):g} | finished | 56.0 |" in text and "| 0123456+dirty |" in text
+    assert "come from 2 code versions (0123456+dirty, abcdef0): **mixed versions**" in text
     assert f"| tt_zo_sign | {max(lrs):g} | finished | 75.0 |" in text and "| **yes** (highest point) |" in text
     assert "are not extended in this experiment): tt_zo_sign (highest)." in text
     assert "within the budget): none." in text  # every point changed a dev prediction

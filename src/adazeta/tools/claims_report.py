@@ -62,6 +62,11 @@ class Run:
         last = self.curve[-1] if self.curve else None
         return last.wall_s / last.forwards if last and last.forwards else math.nan
 
+    def code(self) -> str:
+        """The commit the run ran from (7 characters), with ``+dirty`` where its tree had uncommitted changes."""
+        git = self.rec.get("git") or {}
+        return git.get("commit", "?")[:7] + ("+dirty" if git.get("dirty") else "")
+
     def drift(self) -> float:
         """Final / best dev loss over the run's evaluations."""
         losses = [p.loss for p in self.curve if not math.isnan(p.loss)]
@@ -384,8 +389,7 @@ def overview(runs: dict[str, dict[int, Run]], config: dict, design: Design, n_bo
         t = stats.t_interval([r["test_accuracy"] for r in recs])
         mat, _ = correctness(got)
         boot = stats.bootstrap_interval(mat, n_boot=n_boot).show(100) if mat is not None else MISSING
-        commits = sorted({(r.get("git") or {}).get("commit", "?")[:7] + ("+dirty" if (r.get("git") or {}).get("dirty") else "")
-                          for r in recs})
+        commits = sorted({run.code() for run in got.values()})
         lines.append(
             f"| {arm} | {finished} / {len(recs) - finished} of {len(plan)} | {t.show(100)} | {boot} | "
             f"{100 * np.mean([r['dev_accuracy'] for r in recs]):.1f} | {np.mean([r['dev_loss'] for r in recs]):.3f} | "

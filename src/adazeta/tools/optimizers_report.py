@@ -59,15 +59,16 @@ def load(name: str, design: Design) -> tuple[dict[str, float | None], dict[str, 
     chosen: dict[str, float | None] = {}
     runs: dict[str, dict[int, Run]] = {}
     still: list[str] = []
-    lines = ["| arm | lr | status | dev accuracy | best dev loss | final dev loss | s / forward | chosen |",
-             "|---|---:|---|---:|---:|---:|---:|---|"]
+    codes: set[str] = set()
+    lines = ["| arm | lr | status | dev accuracy | best dev loss | final dev loss | s / forward | chosen | code |",
+             "|---|---:|---|---:|---:|---:|---:|---|---|"]
     for arm, spec in design.arms.items():
         lr = chosen_lr(name, spec, select)
         chosen[arm] = None if lr is UNDECIDED else lr
         for point in spec.lrs:
             run = load_run(arm, select, Job(arm, point, select, name, []).run_dir)
             if run is None:
-                lines.append(f"| {arm} | {point:g} | {MISSING} | | | | | |")
+                lines.append(f"| {arm} | {point:g} | {MISSING} | | | | | | |")
                 continue
             if (change := unmoved(run)) is not None:
                 still.append(f"{arm} {point:g} (dev loss {100 * change:+.1f} %)")
@@ -75,7 +76,8 @@ def load(name: str, design: Design) -> tuple[dict[str, float | None], dict[str, 
             mark = "" if point != chosen[arm] else "**yes**" + (f" ({at} point)" if at else "")
             lines.append(f"| {arm} | {point:g} | {run.rec['status']} | {100 * run.rec['dev_accuracy']:.1f} | "
                          f"{run.rec['dev_loss']:.4f} | {fmt(run.curve[-1].loss, 4) if run.curve else MISSING} | "
-                         f"{fmt(run.seconds_per_forward(), 2)} | {mark} |")
+                         f"{fmt(run.seconds_per_forward(), 2)} | {mark} | {run.code()} |")
+            codes.add(run.code())
         runs[arm] = {}
         if chosen[arm] is None:
             continue
@@ -85,6 +87,9 @@ def load(name: str, design: Design) -> tuple[dict[str, float | None], dict[str, 
                 if run is not None:
                     runs[arm][seed] = run
     edges = [f"{a} ({edge(design.arms[a].lrs, lr)})" for a, lr in chosen.items() if edge(design.arms[a].lrs, lr)]
+    if len(codes) > 1:
+        lines += ["", f"The grid's runs come from {len(codes)} code versions ({', '.join(sorted(codes))}): **mixed "
+                      "versions** (their seconds per forward also carry the machine's load when each ran)."]
     lines += ["",
               "Chosen at an end of its grid (the best rate may lie beyond it; the grids were fixed before the first "
               f"run and are not extended in this experiment): {', '.join(edges) or 'none'}.",
