@@ -206,6 +206,39 @@ def test_the_readme_cpu_zo_table_is_the_reports():
     assert checked == 7
 
 
+def check_verdict_table(section: str, report: str) -> None:
+    """Each row of the README section's verdict table is one of the report's verdicts, word for word (its evidence
+    may quote the report's in parts, split at "; "), and every verdict of the report has its row."""
+    import re
+
+    verdicts = {m.group(1): (m.group(2), m.group(3)) for m in
+                re.finditer(r"^- (\(.\) [^:]+): \*\*([^*]+)\*\*: (.*)$", report, re.M)}
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| (")]
+    assert verdicts and {r[0] for r in rows} == set(verdicts), "the README lists every verdict, and no other"
+    for endpoint, verdict, evidence in rows:
+        assert verdict == verdicts[endpoint][0], endpoint
+        for part in evidence.split("; "):
+            assert part in verdicts[endpoint][1], (endpoint, part)
+
+
+def test_the_readme_cpu_zo_speed_verdicts_and_state_are_the_reports():
+    """The README's cpu_zo_speed section against results/tables/cpu_zo_speed_report.md: its verdict table, and the
+    runs it says are in (the report's arm table: finished + diverged of planned)."""
+    import re
+
+    report = (ROOT / "results" / "tables" / "cpu_zo_speed_report.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### The follow-up on speed: `experiment=cpu_zo_speed`"):
+                     readme.index("### How good is a ZO gradient here?")]
+    check_verdict_table(section, report)
+    done = sum(int(m.group(1)) + int(m.group(2)) for m in re.finditer(r"^\| [a-z_0-9]+ \| (\d+) / (\d+) of \d+ \|",
+                                                                          report, re.M))
+    planned = sum(int(m.group(1)) for m in re.finditer(r"^\| [a-z_0-9]+ \| \d+ / \d+ of (\d+) \|", report, re.M))
+    state = re.search(r"\*\*Where it stands: ([^*]+)\.\*\*", section).group(1)
+    assert state == ("complete" if done == planned else f"{done} of {planned} runs in"), state
+
+
 def test_the_readme_cpu_zo_claims_verdicts_and_numbers_are_the_reports():
     """The README's cpu_zo_claims section against results/tables/cpu_zo_claims_report.md (generated from the
     committed runs): each row of its verdict table is one of the report's verdicts, word for word, and the
@@ -215,16 +248,8 @@ def test_the_readme_cpu_zo_claims_verdicts_and_numbers_are_the_reports():
     report = (ROOT / "results" / "tables" / "cpu_zo_claims_report.md").read_text()
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("### The pre-registered test: `experiment=cpu_zo_claims`"):
-                     readme.index("### How good is a ZO gradient here?")]
-    verdicts = {m.group(1): (m.group(2), m.group(3)) for m in
-                re.finditer(r"^- (\(.\) [^:]+): \*\*([^*]+)\*\*: (.*)$", report, re.M)}
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
-            if line.startswith("| (")]
-    assert {r[0] for r in rows} == set(verdicts), "the README lists every verdict of the report, and no other"
-    for endpoint, verdict, evidence in rows:
-        assert verdict == verdicts[endpoint][0], endpoint
-        for part in evidence.split("; "):
-            assert part in verdicts[endpoint][1], (endpoint, part)
+                     readme.index("### The follow-up on speed: `experiment=cpu_zo_speed`")]
+    check_verdict_table(section, report)
     accuracy = {}
     for line in report.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
