@@ -146,8 +146,9 @@ def test_selection_uses_dev_never_test_and_aggregates_seeds(tmp_path):
     t1 = 12.706204736174707
     half_a = t1 * (0.1 / 2**0.5) / 2**0.5  # 0.60 and 0.70
     half_m = t1 * (0.2 / 2**0.5) / 2**0.5  # 0.5 and 0.7
-    cell_a = f"65.0 [{65 - 100 * half_a:.1f}, {65 + 100 * half_a:.1f}] n=2"
-    cell_m = f"60.0 [{60 - 100 * half_m:.1f}, {60 + 100 * half_m:.1f}] n=2 †1"
+    # two seeds' t intervals reach past 100 (and below 0): clipped to the range of an accuracy
+    cell_a = f"65.0 [{65 - 100 * half_a:.1f}, 100.0] n=2"
+    cell_m = f"60.0 [{max(0.0, 60 - 100 * half_m):.1f}, 100.0] n=2 †1"
     expected = pd.DataFrame(
         [
             {"method": "adazeta", "rte": cell_a, "rte (paper)": "74.0ᵃ", "paper sources": "ᵃ"},
@@ -158,7 +159,8 @@ def test_selection_uses_dev_never_test_and_aggregates_seeds(tmp_path):
     pd.testing.assert_frame_equal(table.cells, expected)
     markdown = to_markdown(table)
     assert f"| adazeta | {cell_a} | 74.0ᵃ | ᵃ |" in markdown
-    assert "- Ours: test mean of the setting selected on dev [95 % Student-t interval over its seeds]" in markdown
+    assert ("- Ours: test mean of the setting selected on dev [95 % Student-t interval over its seeds, clipped to "
+            "the metric's range]") in markdown
     assert "- ᵃ Paper A, Table 2, m: confirmed\n" in markdown
     latex = to_latex(table, "caption")
     assert r"n=2 $^\dagger$1" in latex and r"74.0$^{\mathrm{a}}$" in latex

@@ -22,6 +22,18 @@ def test_t_interval_is_the_student_t_interval_over_seeds():
     assert iv.show(100) == f"{mean * 100:.1f} [{(mean - half) * 100:.1f}, {(mean + half) * 100:.1f}]"
 
 
+def test_t_interval_is_clipped_to_the_range_a_score_can_take():
+    wide = stats.t_interval([0.70, 0.85])  # two seeds: t(0.975, 1 dof) = 12.7
+    assert wide.lo < 0 and wide.hi > 1
+    clipped = stats.t_interval([0.70, 0.85], bounds=(0.0, 1.0))
+    assert (clipped.mean, clipped.lo, clipped.hi, clipped.n) == pytest.approx((0.775, 0.0, 1.0, 2))
+    inside = stats.t_interval([0.70, 0.74, 0.78, 0.72], bounds=(0.0, 1.0))
+    assert inside == stats.t_interval([0.70, 0.74, 0.78, 0.72])  # an interval inside the range is unchanged
+    in_range = stats.t_interval([0.767, 0.780], bounds=(0.0, 1.0))
+    assert in_range.lo == pytest.approx(0.6909, abs=1e-4) and in_range.hi == pytest.approx(0.8561, abs=1e-4)
+    assert in_range.show(100) == "77.4 [69.1, 85.6]"
+
+
 def test_bootstrap_interval_matches_the_normal_approximation_on_a_large_sample():
     rng = np.random.default_rng(1)
     correct = (rng.random((3, 2000)) < 0.7).astype(float)

@@ -1,7 +1,7 @@
 """The statistics every comparison in the tables and reports uses: intervals over seeds and over examples, and
 paired tests between two arms evaluated on the same examples.
 
-- ``t_interval``: a mean over seeds with its Student-t 95 % interval (ddof = 1);
+- ``t_interval``: a mean over seeds with its Student-t 95 % interval (ddof = 1), clipped to the score's range;
 - ``bootstrap_interval``: the mean of per-example scores (seeds x examples) with a percentile interval from
   resampling examples, the same resample for every seed;
 - ``paired_bootstrap``: the difference of two arms' means on the same examples (seeds x examples each), with its
@@ -42,8 +42,13 @@ class Interval:
         return f"{self.mean * scale:.{digits}f} [{self.lo * scale:.{digits}f}, {self.hi * scale:.{digits}f}]"
 
 
-def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval:
-    """Mean of ``values`` (one per seed) and its Student-t interval; no interval (NaN ends) from one value."""
+def t_interval(values: Sequence[float], confidence: float = CONFIDENCE,
+               bounds: tuple[float, float] | None = None) -> Interval:
+    """Mean of ``values`` (one per seed) and its Student-t interval; no interval (NaN ends) from one value.
+
+    ``bounds``: the range the score can take (``(0, 1)`` for an accuracy); the interval's ends are clipped to it,
+    since with few seeds a t interval can reach past a score's range (two seeds at 76.7 and 78.0: [69.1, 85.6],
+    two at 70 and 85: [-17.8, 172.8]) and no value there is possible."""
     from scipy import stats
 
     x = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=float)
@@ -52,7 +57,10 @@ def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Inter
     if len(x) == 1:
         return Interval(float(x[0]), float("nan"), float("nan"), 1)
     half = stats.t.ppf(0.5 + confidence / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
-    return Interval(float(x.mean()), float(x.mean() - half), float(x.mean() + half), len(x))
+    lo, hi = float(x.mean() - half), float(x.mean() + half)
+    if bounds is not None:
+        lo, hi = max(lo, bounds[0]), min(hi, bounds[1])
+    return Interval(float(x.mean()), lo, hi, len(x))
 
 
 def _as_matrix(scores: np.ndarray | Sequence) -> np.ndarray:

@@ -135,7 +135,7 @@ def select_on_dev(results: pd.DataFrame) -> pd.DataFrame:
 def _intervals(chosen: pd.DataFrame) -> dict[str, Any]:
     """95 % intervals of a cell's test metric: Student t over its seeds, and a bootstrap over test examples
     (pooled over seeds) where every run kept its per-example predictions on the same examples; its code versions."""
-    t = stats.t_interval(list(chosen["test"]))
+    t = stats.t_interval(list(chosen["test"]), bounds=(0.0, 1.0))
     boot = stats.Interval(float("nan"), float("nan"), float("nan"), 0)
     matrix = _test_correctness(list(chosen["path"]))
     if matrix is not None:
@@ -262,7 +262,8 @@ class Table:
     sources: list[Source]
 
     def legend(self) -> list[str]:
-        lines = ["Ours: test mean of the setting selected on dev [95 % Student-t interval over its seeds] (ex.: 95 % "
+        lines = ["Ours: test mean of the setting selected on dev [95 % Student-t interval over its seeds, "
+                 "clipped to the metric's range] (ex.: 95 % "
                  "bootstrap interval over test examples, pooled over seeds, where runs kept their predictions); n: runs "
                  "(seeds); †n: n of them diverged; ‡: its runs come from more than one code version; **bold**: the "
                  "best mean of its column, only where its interval lies above every other method's; —: no result."]

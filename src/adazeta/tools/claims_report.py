@@ -386,7 +386,7 @@ def overview(runs: dict[str, dict[int, Run]], config: dict, design: Design, n_bo
             continue
         recs = [r.rec for r in got.values()]
         finished = sum(r["status"] == "finished" for r in recs)
-        t = stats.t_interval([r["test_accuracy"] for r in recs])
+        t = stats.t_interval([r["test_accuracy"] for r in recs], bounds=(0.0, 1.0))
         mat, _ = correctness(got)
         boot = stats.bootstrap_interval(mat, n_boot=n_boot).show(100) if mat is not None else MISSING
         commits = sorted({run.code() for run in got.values()})
@@ -476,7 +476,8 @@ def report(name: str, out: Path) -> Path:
         f"(data.seed {config['data']['seed']}: {config['data']['num_train']} train, {config['data']['num_dev']} dev, "
         f"{config['data']['num_eval']} test), seeds {seeds}, budget {budget} forward passes for every ZO arm, dev every "
         f"{every}. Learning rates were fixed in the config (chosen on dev in cpu_zo); nothing here is tuned on test. "
-        f"Intervals are 95 %; paired bootstrap {n_boot} resamples over test examples; alpha {alpha}.",
+        f"Intervals are 95 % (a t interval over seeds is clipped to 0-100, an accuracy's range); paired bootstrap "
+        f"{n_boot} resamples over test examples; alpha {alpha}.",
         "",
         "## Verdicts",
         "",

@@ -125,7 +125,7 @@ def chosen_settings(order: list[str], arms: dict, runs: dict, chosen: dict, seed
         gain = 100 * (statistics.mean(tests) - zero_test)
         lines.append(
             f"| {arm} | {'—' if lr is None else f'{lr:g}'} | {len(rs)} | {sum(r['status'] == 'diverged' for r in rs)} | "
-            f"{start:.3f} -> {best:.3f} | {stats.t_interval(tests).show(100)} | {gain:+.1f} | "
+            f"{start:.3f} -> {best:.3f} | {stats.t_interval(tests, bounds=(0.0, 1.0)).show(100)} | {gain:+.1f} | "
             f"{mean_std(reach, digits=0)} ({sum(not math.isnan(x) for x in reach)}/{len(rs)}) | "
             f"{mean_std(hit, digits=0)} ({sum(not math.isnan(x) for x in hit)}/{len(rs)}) | "
             f"{mean_std([r.get('forward_passes', 0) / max(2 * r.get('steps', 1), 1) for r in rs], digits=2) if not arms[arm].first_order and lr is not None else '—'} |"

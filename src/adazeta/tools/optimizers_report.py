@@ -212,7 +212,8 @@ def report(name: str, out: Path) -> Path:
         f"(data.seed {config['data']['seed']}: {config['data']['num_train']} train, {config['data']['num_dev']} dev, "
         f"{config['data']['num_eval']} test), seeds {config['design']['seeds']} at each arm's lr, chosen on dev "
         f"accuracy at seed {config['design']['select_seed']} (never on test); budget {budget} forward passes, dev "
-        f"every {every}. Intervals are 95 %; paired bootstrap {n_boot} resamples over test examples.",
+        f"every {every}. Intervals are 95 % (a t interval over seeds is clipped to 0-100, an accuracy's range); "
+        f"paired bootstrap {n_boot} resamples over test examples.",
         "",
         f"Arms with a chosen lr: {len(decided)} of {len(config['arms'])}"
         + (f" (undecided: {', '.join(a for a in config['arms'] if chosen[a] is None)})"
