@@ -101,9 +101,11 @@ cpu-zo-speed: setup
 cpu-zo-speed-report: setup
 	$(BIN)/python -m adazeta.tools.claims_report cpu_zo_speed
 
+# In the config's order: the TT arms' grids and seeds, then the LoRA wave's.
 cpu-zo-optimizers: setup
-	$(BIN)/python -m adazeta.tools.experiment cpu_zo_optimizers --phase select --jobs 2 --threads 1 wandb.mode=offline
-	$(BIN)/python -m adazeta.tools.experiment cpu_zo_optimizers --phase seeds --jobs 2 --threads 1 wandb.mode=offline
+	for arms in 'tt_*' 'lora_*'; do for phase in select seeds; do \
+	  $(BIN)/python -m adazeta.tools.experiment cpu_zo_optimizers --phase $$phase --arms "$$arms" --jobs 2 --threads 1 \
+	    wandb.mode=offline train.checkpoint_every=25 || exit 1; done; done
 
 cpu-zo-optimizers-report: setup
 	$(BIN)/python -m adazeta.tools.optimizers_report cpu_zo_optimizers

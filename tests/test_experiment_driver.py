@@ -70,6 +70,13 @@ def test_unknown_arms_are_refused_with_the_known_ones(root):
         driver.plan("x", DESIGN, "select", ["zo", "nope"])
 
 
+def test_arms_are_picked_by_name_or_pattern_in_the_design_order(root):
+    assert [j.arm for j in driver.plan("x", DESIGN, "select", ["z*"])] == ["zs", "zo", "zo"]
+    assert [j.arm for j in driver.plan("x", DESIGN, "select", ["fo", "zs"])] == ["zs", "fo"]
+    with pytest.raises(SystemExit, match=r"unknown arm\(s\) lora_\*; known"):
+        driver.plan("x", DESIGN, "select", ["z*", "lora_*"])
+
+
 def test_the_committed_cpu_zo_experiment_parses_and_plans():
     _, design = driver.load("cpu_zo")
     jobs = driver.plan("cpu_zo", design, "select", None)

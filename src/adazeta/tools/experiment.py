@@ -3,6 +3,8 @@
     python -m adazeta.tools.experiment cpu_zo [--phase select|seeds|stress|all] [--jobs 2] [--threads 1] [--dry]
                                         [--arms tt_q1,mezo_lora] [extra adazeta-run overrides]
 
+``--arms`` takes names or shell-style patterns (``--arms 'tt_*'``: every arm whose name starts with tt_).
+
 The one driver of every experiment. It reads the experiment's one schema (``arms`` and ``design``,
 ``adazeta.experiments``) from its config as ``adazeta-run experiment=NAME`` composes it. Every run is one
 ``adazeta-run`` in its own directory, results/runs/NAME/ARM/[POINT,]lr=LR,seed=S under the current directory (the
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import fnmatch
 import json
 import math
 import os
@@ -94,11 +97,11 @@ def plan(name: str, design: Design, phase: str, arms: list[str] | None = None) -
     """The runs of ``phase`` (select, seeds, stress or all), in run order: grid points interleaved across arms
     (every arm's grid fills in at the same pace), seed-major within a phase, at every point of the design grid."""
     order = list(design.order)
-    if arms:
-        unknown = sorted(set(arms) - set(order))
+    if arms:  # names or shell-style patterns ("tt_*": every TT arm)
+        unknown = sorted(a for a in arms if not fnmatch.filter(order, a))
         if unknown:
             sys.exit(f"experiment.py: error: unknown arm(s) {', '.join(unknown)}; known: {', '.join(order)}")
-        order = [a for a in order if a in arms]
+        order = [a for a in order if any(fnmatch.fnmatchcase(a, pattern) for pattern in arms)]
     jobs: list[Job] = []
     for point in [tuple(p.items()) for p in design.points()]:
         jobs += _plan_point(name, design, phase, order, point)
