@@ -104,3 +104,36 @@ def test_the_report_names_a_rate_chosen_at_an_end_of_its_grid(results):
     assert f"| tt_zo_sign | {max(lrs):g} | finished | 75.0 |" in text and "| **yes** (highest point) |" in text
     assert "are not extended in this experiment): tt_zo_sign (highest)." in text
     assert "within the budget): none." in text  # every point changed a dev prediction
+
+
+def test_the_readme_cpu_zo_optimizers_state_and_numbers_are_the_reports():
+    """The README's cpu_zo_optimizers section against results/tables/cpu_zo_optimizers_report.md (generated from
+    the committed runs): the grid runs and chosen rates it says are in, every grid point it quotes (dev accuracy and
+    best dev loss), and its list of grid points that never changed a dev prediction."""
+    import re
+
+    report = (ROOT / "results" / "tables" / f"{NAME}_report.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### The field's ZO optimizers: `experiment=cpu_zo_optimizers`"):
+                     readme.index("### How good is a ZO gradient here?")].replace("\n  ", " ")
+    grid = {}
+    for line in report[report.index("## The learning-rate grids"):].splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 9 and re.fullmatch(r"[a-z_]+", cells[0]) and cells[0] != "arm":
+            grid[cells[0], float(cells[1])] = cells
+    planned, ran = len(grid), sum(c[2] in ("finished", "diverged", "stalled") for c in grid.values())
+    chosen = re.search(r"Arms with a chosen lr: (\d+) of (\d+)", report)
+    state = re.search(r"\*\*Where it stands: ([^*]+)\.\*\*", section).group(1)
+    if int(chosen.group(1)) == 0:
+        assert state == f"{ran} of {planned} grid runs in; 0 of {chosen.group(2)} arms have their rate", state
+    else:
+        assert state.startswith(f"{ran} of {planned} grid runs in; {chosen.group(1)} of {chosen.group(2)} arms"), state
+    quoted = re.findall(r"`([a-z_]+)` at ([0-9.e-]+), dev accuracy ([0-9.]+) \(best dev loss ([0-9.]+)\)", section)
+    assert len(quoted) >= 3
+    for arm, lr, acc, loss in quoted:
+        cells = grid[arm, float(lr)]
+        assert (acc, loss) == (cells[3], cells[4]), (arm, lr)
+    unmoved = re.search(r"Grid points whose dev accuracy never left its step-0 value[^:]*: (.*)\.$", report, re.M)
+    in_report = {(a, float(lr)) for a, lr in re.findall(r"([a-z_]+) ([0-9.e-]+) \(dev loss", unmoved.group(1))}
+    listed = next(line for line in section.splitlines() if line.startswith("- Grid points that never changed"))
+    assert {(a, float(lr)) for a, lr in re.findall(r"`([a-z_]+)` ([0-9][0-9.e-]*[0-9])", listed)} == in_report
