@@ -76,8 +76,9 @@ def test_verdicts_follow_the_preregistered_rules(results):
     assert "(a) speed, `tt_q1`: **confirmed**" in text
     # (b) every tt_q1 run diverged, no adaptive run did: Fisher p = 1 / 70
     assert "(b) stability, `ada_official` vs `tt_q1`: **confirmed**: unstable 0/4 vs 4/4 (one-sided Fisher p = 0.014)" in text
-    assert ("at 1500 steps every `tt_q1` run had passed its best: fewer steps alone do not explain the difference."
-            in text)
+    # tt_q1 stopped at ada_official's 1,500 steps: the divergence rule had stopped every run by step 300
+    assert ("Stopped at the same seed's `ada_official` step count, `tt_q1` would end at final / best dev loss 1.800 "
+            "and be unstable at 4 of 4 seeds: fewer steps alone do not explain the difference.") in text
     # (c) +6.9 points on every seed
     assert "(c) accuracy, `ada_official` >= `mezo_lora`: **confirmed**: +6.9 points" in text
     assert "(c) accuracy, `tt_q1` >= `mezo_lora`: **unresolved**" in text  # identical predictions: p = 1
@@ -115,8 +116,23 @@ def test_a_verdict_with_seeds_still_to_run_says_interim_for_every_endpoint(resul
     assert "(c) accuracy, `ada_official` >= `tt_q1`: **unresolved (interim: `ada_official` 3 of 4 seeds)**" in text
     # ada_official stops at 200 steps, before any tt_q1 run reached its best (step 300): fewer steps, not steadier
     assert ("Steps: `ada_official` takes 200 steps in its forward budget; `tt_q1`'s best dev state comes at step 300, "
-            "its drift after it; at 200 steps 4 of 4 `tt_q1` runs had not yet passed their best: this endpoint cannot "
-            "tell a steadier step from fewer steps.") in text
+            "its drift after it. Stopped at the same seed's `ada_official` step count, `tt_q1` would end at final / "
+            "best dev loss 1.000 and be unstable at 0 of 3 seeds: fewer steps alone would give the difference: this "
+            "endpoint cannot tell a steadier step from fewer steps.") in text
+
+
+def test_the_constant_arm_is_judged_at_the_adaptive_arms_step_count_seed_by_seed(results):
+    """tt_q1 has drifted by step 300 (ada_official's last) at seeds 0-1, and only after it at seeds 2-3."""
+    base = (np.random.default_rng(5).random(50) < 0.7).astype(float)
+    for seed in range(4):
+        write_run("tt_q1", seed, [1.0, 0.5, 0.5, 0.8] if seed < 2 else [1.0, 0.5, 0.5, 0.5, 0.5, 0.9], base)
+        write_run("ada_official", seed, [1.0, 0.6, 0.5, 0.5], base)
+        write_run("ada_paper", seed, [1.0, 0.6, 0.5, 0.5], base)
+        write_run("mezo_lora", seed, [1.0, 0.6, 0.5, 0.5], base)
+    text = claims_report.report("cpu_zo_claims", results / "results").read_text()
+    assert ("Stopped at the same seed's `ada_official` step count, `tt_q1` would end at final / best dev loss "
+            "1.000-1.600 and be unstable at 2 of 4 seeds: fewer steps alone would give the difference at the other "
+            "2.") in text
 
 
 def test_a_drifted_reference_and_a_ratio_of_exactly_a_third_are_pointed_out(results):

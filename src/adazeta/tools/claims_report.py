@@ -67,10 +67,15 @@ class Run:
         git = self.rec.get("git") or {}
         return git.get("commit", "?")[:7] + ("+dirty" if git.get("dirty") else "")
 
-    def drift(self) -> float:
-        """Final / best dev loss over the run's evaluations."""
-        losses = [p.loss for p in self.curve if not math.isnan(p.loss)]
+    def drift(self, until: float = math.inf) -> float:
+        """Final / best dev loss over the run's evaluations (those up to step ``until``: the run as if it had
+        stopped there)."""
+        losses = [p.loss for p in self.curve if p.step <= until and not math.isnan(p.loss)]
         return losses[-1] / min(losses) if losses else math.nan
+
+    def stopped_by(self, step: float) -> bool:
+        """Whether the divergence rule had stopped the run by ``step``."""
+        return self.rec.get("status") == "diverged" and bool(self.curve) and self.curve[-1].step <= step
 
 
 def load_run(arm: str, seed: int, run_dir: Path) -> Run | None:
@@ -281,19 +286,29 @@ def stability(runs: dict[str, dict[int, Run]], cfg: dict, alpha: float,
         verdicts.append(f"- (b) stability, `{arm}` vs `{constant}`: **{verdict}**: unstable {bad_a}/{len(mine)} vs "
                         f"{bad_c}/{len(base)} (one-sided Fisher {p_is(p)}); final/best dev loss "
                         f"{fmt(drift_diff)} vs `{constant}` paired by seed (sign-flip {p_is(flip)}, {len(shared)} seeds)")
-    # The same forwards buy an adaptive arm fewer steps (Q queries a step): say where the constant arm's runs
-    # were at the adaptive arms' step counts, so that a reader can tell fewer steps from steadier ones.
+    # The same forwards buy an adaptive arm fewer steps (Q queries a step): the constant arm's runs, stopped at the
+    # same seed's adaptive step count, tell a reader whether fewer steps alone would give the difference.
     best = [r.rec["best_step"] for r in base.values() if isinstance(r.rec.get("best_step"), int)]
+
+    def span(values: list, form: str = "{}") -> str:
+        lo, hi = form.format(min(values)), form.format(max(values))
+        return lo if lo == hi else f"{lo}-{hi}"
+
     for arm in cfg["adaptive"]:
-        steps = [r.rec["steps"] for r in runs.get(arm, {}).values() if isinstance(r.rec.get("steps"), int)]
-        if steps and best:
-            span = lambda v: f"{min(v)}" if min(v) == max(v) else f"{min(v)}-{max(v)}"  # noqa: E731
-            early = sum(b >= max(steps) for b in best)
-            reading = (f"{early} of {len(best)} `{constant}` runs had not yet passed their best: this endpoint cannot "
-                       "tell a steadier step from fewer steps" if early else
-                       f"every `{constant}` run had passed its best: fewer steps alone do not explain the difference")
-            lines += ["", f"Steps: `{arm}` takes {span(steps)} steps in its forward budget; `{constant}`'s best dev "
-                      f"state comes at step {span(best)}, its drift after it; at {max(steps)} steps {reading}."]
+        mine = runs.get(arm, {})
+        pairs = [(base[s], mine[s].rec["steps"]) for s in sorted(set(mine) & set(base))
+                 if isinstance(mine[s].rec.get("steps"), int)]
+        if not pairs or not best:
+            continue
+        cut = [run.drift(until=steps) for run, steps in pairs]
+        bad = sum(run.stopped_by(steps) or d > drift_limit for (run, steps), d in zip(pairs, cut))
+        reading = ("fewer steps alone would give the difference: this endpoint cannot tell a steadier step from "
+                   "fewer steps" if bad == 0 else "fewer steps alone do not explain the difference" if bad == len(pairs)
+                   else f"fewer steps alone would give the difference at the other {len(pairs) - bad}")
+        lines += ["", f"Steps: `{arm}` takes {span([st for _, st in pairs])} steps in its forward budget; "
+                      f"`{constant}`'s best dev state comes at step {span(best)}, its drift after it. Stopped at the "
+                      f"same seed's `{arm}` step count, `{constant}` would end at final / best dev loss "
+                      f"{span(cut, '{:.3f}')} and be unstable at {bad} of {len(pairs)} seeds: {reading}."]
     return verdicts, lines
 
 
