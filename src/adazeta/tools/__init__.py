@@ -22,6 +22,7 @@ Benches and instruments (build runs as ``adazeta-run`` would, then measure):
     bench_dist         ZO queries per second on 1 and N processes, torchrun (make bench-dist)
     grad_fidelity      the ZO estimate against the autograd gradient as Q grows, per method (make grad-fidelity)
     diagnose_zo        a ZO run's steps watched from inside: norms, adapter gains, overflow
+    displacement       how far a finished run's adapters moved from their step-0 values, per parameter group
 
 Shared by them:
     offline            ``../shared`` as the offline model and data folders when a tool runs directly
