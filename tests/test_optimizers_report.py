@@ -139,3 +139,28 @@ def test_the_readme_cpu_zo_optimizers_state_and_numbers_are_the_reports():
     number = r"[0-9][0-9.e-]*[0-9]"
     named = re.findall(rf"`([a-z_]+)` ({number}(?: and {number})*)", listed)  # `arm` 1e-05 and 3e-05
     assert {(a, float(lr)) for a, lrs in named for lr in lrs.split(" and ")} == in_report
+
+
+def test_the_readme_displacement_figures_are_the_committed_measurements():
+    """The README's reading of results/tables/cpu_zo_optimizers_displacement.csv (tools/displacement on the TT grid
+    runs): ZO-SGD-Sign, ZO-Adam and ES step by their lr per sqrt(step) in every group; ZO-SGD at 3e-4 by 1.3e-3,
+    about 4.3 lr, in every group."""
+    import csv
+    import re
+
+    with open(ROOT / "results" / "tables" / f"{NAME}_displacement.csv") as f:
+        rows = list(csv.DictReader(f))
+    readme = (ROOT / "README.md").read_text()
+    assert f"results/tables/{NAME}_displacement.csv" in readme
+    by_run: dict[str, list[dict]] = {}
+    for r in rows:
+        by_run.setdefault(r["run"], []).append(r)
+        assert (ROOT / r["run"] / "result.json").is_file(), r["run"]  # a committed run
+    walks = [run for run in by_run if re.search(r"/tt_(zo_sign|zo_adam|es)/", run)]
+    assert len(walks) >= 3
+    for run in walks:
+        lr = float(re.search(r"lr=([0-9.e-]+),", run).group(1))
+        for r in by_run[run]:
+            assert abs(float(r["per_sqrt_step"]) / lr - 1) < 0.014, (run, r["group"])
+    sgd = next(v for run, v in by_run.items() if "/tt_zo_sgd/lr=0.0003," in run)
+    assert all(abs(float(r["per_sqrt_step"]) - 1.3e-3) < 0.05e-3 for r in sgd)
