@@ -95,9 +95,11 @@ def test_a_backbone_run_or_a_folder_without_adapters_is_one_line(data_dir, tmp_p
     lora = sign_run(data_dir, tmp_path / "lora", "mezo_lora")
     with pytest.raises(ConfigError, match="no saved adapters"):
         displacement.start_and_saved(lora, "adapter_last")
-    out = subprocess.run([sys.executable, "-m", "adazeta.tools.displacement", str(tmp_path / "nothing")],
+    # every folder is checked before the first model loads: a good run first, then a bad one, prints no table
+    out = subprocess.run([sys.executable, "-m", "adazeta.tools.displacement", str(lora), str(tmp_path / "nothing")],
                          capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "no .hydra/config.yaml" in out.stderr
+    assert out.stdout == ""
 
 
 def test_the_command_prints_a_table_and_writes_the_csv(data_dir, tmp_path):

@@ -31,6 +31,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 
@@ -58,7 +59,7 @@ def group_name(param: str, last: int | None = None) -> str:
     return ".".join(name.split(".")[-last:]) if last else name
 
 
-def run_settings(run_dir: Path, assignments: list[str]):
+def run_settings(run_dir: Path, assignments: list[str]) -> Any:
     """The run's settings: its recorded config (``.hydra/config.yaml``) over today's defaults for the same
     command (``.hydra/overrides.yaml``), so that a key added since the run takes its default."""
     from omegaconf import OmegaConf
@@ -76,29 +77,46 @@ def run_settings(run_dir: Path, assignments: list[str]):
     return parse(cfg)
 
 
+@dataclass(frozen=True)
+class Saved:
+    """A run folder's saved state, checked: its settings, its weights file and the step it holds."""
+    settings: Any
+    weights: Path
+    steps: int
+
+
+def check(run_dir: Path, folder: str = "adapter", assignments: Sequence[str] = ()) -> Saved:
+    """Everything ``start_and_saved`` needs from the files, before any model is loaded: one line if it is missing."""
+    from adazeta.saving import ADAPTER_WEIGHTS
+
+    result = run_dir / "result.json"
+    s = run_settings(run_dir, list(assignments))
+    if not result.is_file():
+        raise ConfigError(f"{run_dir} has no result.json; the run has not ended")
+    record = json.loads(result.read_text())
+    if s.adapter.config.trains_backbone:
+        raise ConfigError(f"{run_dir}: method {s.method!r} trains the backbone and saves no adapters; this tool "
+                          "measures adapter runs")
+    weights = run_dir / folder / ADAPTER_WEIGHTS  # adazeta's and peft's name alike
+    if not weights.is_file():
+        raise ConfigError(f"{run_dir / folder} holds no saved adapters; run with train.save=best (the default), last "
+                          "or both, or pick the other folder with --folder")
+    best = folder == "adapter" and s.train.keep_best and record.get("best_step") is not None
+    return Saved(s, weights, int(record["best_step"] if best else record.get("steps", 0)))
+
+
 def start_and_saved(run_dir: Path, folder: str = "adapter",
-                    assignments: list[str] = ()) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+                    assignments: Sequence[str] = ()) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
     """(the trainable tensors at step 0, the saved ones, the saved state's step), by name."""
     from safetensors.torch import load_file
 
     from adazeta.build import attach_adapter, seed_everything
     from adazeta.models import load_model
-    from adazeta.saving import ADAPTER_WEIGHTS, HEAD_WEIGHTS, _load_into, is_peft, trainable_tensors
+    from adazeta.saving import HEAD_WEIGHTS, _load_into, is_peft, trainable_tensors
     from adazeta.tracking import quiet_third_party
 
-    saved_dir = run_dir / folder
-    result = run_dir / "result.json"
-    if not result.is_file():
-        raise ConfigError(f"{run_dir} has no result.json; the run has not ended")
-    record = json.loads(result.read_text())
-    s = run_settings(run_dir, list(assignments))
-    if s.adapter.config.trains_backbone:
-        raise ConfigError(f"{run_dir}: method {s.method!r} trains the backbone and saves no adapters; this tool "
-                          "measures adapter runs")
-    peft_weights = saved_dir / "adapter_model.safetensors"
-    if not (saved_dir / ADAPTER_WEIGHTS).is_file() and not peft_weights.is_file():
-        raise ConfigError(f"{saved_dir} holds no saved adapters; run with train.save=best (the default), last or "
-                          "both, or pick the other folder with --folder")
+    saved = check(run_dir, folder, assignments)
+    s = saved.settings
     quiet_third_party(s.verbose)
     seed_everything(s.seed)  # as adazeta.run: the seed, the model, then the adapter's draws
     loaded = load_model(s.model, seed=s.seed)
@@ -107,15 +125,13 @@ def start_and_saved(run_dir: Path, folder: str = "adapter",
     if is_peft(model):
         from peft import set_peft_model_state_dict
 
-        set_peft_model_state_dict(model, load_file(str(peft_weights)))
-        if (saved_dir / HEAD_WEIGHTS).is_file():
-            _load_into(model, load_file(str(saved_dir / HEAD_WEIGHTS)), saved_dir / HEAD_WEIGHTS)
+        set_peft_model_state_dict(model, load_file(str(saved.weights)))
+        head = saved.weights.parent / HEAD_WEIGHTS
+        if head.is_file():
+            _load_into(model, load_file(str(head)), head)
     else:
-        _load_into(model, load_file(str(saved_dir / ADAPTER_WEIGHTS)), saved_dir / ADAPTER_WEIGHTS)
-    saved = trainable_tensors(model)
-    best = folder == "adapter" and s.train.keep_best and record.get("best_step") is not None
-    steps = int(record["best_step"] if best else record.get("steps", 0))
-    return start, saved, steps
+        _load_into(model, load_file(str(saved.weights)), saved.weights)
+    return start, trainable_tensors(model), saved.steps
 
 
 def groups(start: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], last: int | None = None) -> list[Group]:
@@ -156,8 +172,7 @@ def main() -> None:
     args = p.parse_args()
     use_shared()
     for run in args.runs:  # every folder checked before the first model is loaded
-        if not (run / ".hydra" / "config.yaml").is_file():
-            raise ConfigError(f"{run} has no .hydra/config.yaml; point at a run folder that adazeta-run wrote")
+        check(run, args.folder, args.assignments)
     table = []
     for run in args.runs:
         start, saved, steps = start_and_saved(run, args.folder, args.assignments)
