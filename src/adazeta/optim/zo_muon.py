@@ -16,6 +16,10 @@ a, b, c = 3.4445, -4.7750, 2.0315; X = R / (||R||_F + 1e-7); transposed when R h
 ``ns_steps`` iterations X <- a X + (b A + c A^2) X, A = X X^T). ``estimator=central`` takes the reference's
 single-sample branch instead, g_q = (L(w + eps d_q) - L(w - eps d_q)) / (2 eps), 2Q forwards.
 
+With one query a step (Q = 1), R = g_1 u_1 and NS5 starts from R / ||R|| = sign(g_1) u_1 / ||u_1||: the matrices'
+step keeps only the sign of the projected gradient, as ZO-SGD-Sign does, and ``lr`` sets its length alone. The
+method is meant for several queries a step (the reference's README runs 4); the vectors' ZO-SGD step keeps g.
+
 Source: the public code (``LowDimOptimizer`` in ``vit/zo_optimizer.py``: ``_sample_orthogonal_P``,
 ``lowdim_zo_perturb_parameters``, the multiple-sample branch of ``zo_step``, ``zo_update`` with opt ``muon``,
 ``zeropower_via_newtonschulz5``; the same in ``llm/LowDimTrainer.py``); rank 64, step_interval 100 and 4 queries
