@@ -370,3 +370,25 @@ def test_the_subspace_seed_is_a_stream_of_its_own():
     assert len(seeds) == 50
     assert not seeds & ({mask_seed(0, k) for k in range(50)} | {query_seed(0, k, 0) for k in range(50)})
     assert subspace_seed(3, 2) == subspace_seed(3, 2) != subspace_seed(4, 2)
+
+
+def test_zo_muon_at_one_query_keeps_only_the_sign_of_the_projected_gradient():
+    """Q = 1: the matrices' step is sign(g) P NS5(u), so a loss passed through an increasing map (L^3: the same
+    sign of every difference, other sizes) leaves every matrix where the plain loss puts it, while the vectors'
+    ZO-SGD step changes; at Q = 3 the sizes of the g's mix, and the matrices move elsewhere too."""
+    settings = {**SETTINGS["zo_muon"], "weight_decay": 0.0}
+
+    def one_step(power, q):
+        named, loss = quadratic()
+        return run("zo_muon", named, lambda ws: loss(ws) ** power, [q], settings)
+
+    start = [p.detach() for _, p in quadratic()[0]]
+    plain, cubed = one_step(1, 1), one_step(3, 1)
+    for name, a, b, w0 in zip(("core", "weight", "bias"), plain, cubed, start):
+        assert not torch.allclose(a, w0) and not torch.allclose(b, w0)
+        if name == "bias":
+            assert not torch.allclose(a, b)
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    plain3, cubed3 = one_step(1, 3), one_step(3, 3)
+    assert not torch.allclose(plain3[1], cubed3[1]) and not torch.allclose(plain3[0], cubed3[0])
