@@ -17,9 +17,10 @@ CONFIG = yaml.safe_load((ROOT / "conf" / "experiment" / f"{NAME}.yaml").read_tex
 
 
 def write_run(arm: str, lr: float, seed: int, losses: list[float], accs: list[float], correct: np.ndarray,
-              every: int = 100) -> None:
-    """A run whose dev loss / accuracy are losses[i] / accs[i] after i x ``every`` forward passes."""
-    run_dir = Job(arm, lr, seed, NAME, []).run_dir
+              every: int = 100, name: str = NAME) -> None:
+    """A run of experiment ``name`` whose dev loss / accuracy are losses[i] / accs[i] after i x ``every`` forward
+    passes."""
+    run_dir = Job(arm, lr, seed, name, []).run_dir
     (run_dir / "predictions").mkdir(parents=True)
     steps = [i * every // 2 for i in range(len(losses))]
     with open(run_dir / "metrics.csv", "w") as f:
@@ -164,3 +165,47 @@ def test_the_readme_displacement_figures_are_the_committed_measurements():
             assert abs(float(r["per_sqrt_step"]) / lr - 1) < 0.014, (run, r["group"])
     sgd = next(v for run, v in by_run.items() if "/tt_zo_sgd/lr=0.0003," in run)
     assert all(abs(float(r["per_sqrt_step"]) - 1.3e-3) < 0.05e-3 for r in sgd)
+
+
+def test_within_a_margin_reads_the_whole_interval():
+    assert optimizers_report.within(-0.04, 0.01, 5) == "confirmed"      # -4 .. +1 points: above -5
+    assert optimizers_report.within(-0.09, -0.06, 5) == "refuted"       # entirely below -5
+    assert optimizers_report.within(-0.07, -0.02, 5) == "unresolved"    # straddles -5
+
+
+def test_the_follow_up_reports_its_margin_its_twins_and_each_grids_spread(results):
+    """cpu_zo_optimizers_recentred: (c) with P1's margin, P3's reproduction of ZO-SGD's cpu_zo_optimizers runs (one
+    twin here differs in one dev loss and one test prediction), and the grid's spread of best dev loss (P2)."""
+    name = "cpu_zo_optimizers_recentred"
+    config = yaml.safe_load((ROOT / "conf" / "experiment" / f"{name}.yaml").read_text())
+    n = 872
+    rng = np.random.default_rng(1)
+    base = (rng.random(n) < 0.75).astype(float)
+    slow = [1.0 - 0.04 * i for i in range(11)]
+    accs = [0.6 + 0.01 * i for i in range(11)]
+    (lr,) = config["arms"]["tt_zo_sgd"]["lr"]
+    for seed in config["design"]["seeds"]:
+        write_run("tt_zo_sgd", lr, seed, slow, accs, base, name=name)
+        twin_losses = slow if seed != 1 else slow[:5] + [slow[5] + 1e-3] + slow[6:]
+        twin_correct = base if seed != 1 else np.concatenate([1 - base[:1], base[1:]])
+        write_run("tt_zo_sgd", lr, seed, twin_losses, accs, twin_correct)  # cpu_zo_optimizers' twin
+    worse = base.copy()
+    worse[np.flatnonzero(base)[: int(0.3 * n)]] = 0.0  # wrong on 261 of the reference's right answers: -29.9 points
+    sign_lrs = config["arms"]["tt_zo_sign"]["lr"]
+    for point in sign_lrs:  # the middle rate wins on dev; best dev losses 0.9, 0.8, 0.85
+        dev = {sign_lrs[0]: 0.9, sign_lrs[1]: 0.8, sign_lrs[2]: 0.85}[point]
+        for seed in config["design"]["seeds"] if point == sign_lrs[1] else [0]:
+            write_run("tt_zo_sign", point, seed, [1.0] + [dev] * 10,
+                      [0.55] + [0.6 if point == sign_lrs[1] else 0.56] * 10, worse, name=name)
+    text = optimizers_report.report(name, results / "results").read_text()
+    assert "| tt_zo_sign | tt_zo_sgd | -29.9 [" in text
+    row = next(line for line in text.splitlines() if line.startswith("| tt_zo_sign | tt_zo_sgd |"))
+    assert row.rstrip().endswith("| refuted |")  # 30 points worse: outside the 5-point margin
+    assert "| within 5 points? |" in text
+    assert "| tt_zo_sgd | 0 | 0.0003 | 11 / 11 | 0.00e+00 | 0 | **yes** |" in text
+    assert "| tt_zo_sgd | 1 | 0.0003 | 11 / 11 | 1.00e-03 | 1 | no |" in text
+    assert "| tt_zo_sgd | 2 | 0.0003 | 11 / 11 | 0.00e+00 | 0 | **yes** |" in text
+    assert "tt_zo_sign 0.1000 (3 of 3)" in text and "tt_zo_sgd " not in text.split("Spread of")[1]  # one point
+    # the parent experiment's report has neither the margin column nor a reproduction section
+    parent = optimizers_report.report(NAME, results / "results").read_text()
+    assert "within 5 points?" not in parent and "## Reproduction" not in parent

@@ -24,6 +24,7 @@ from adazeta.tools.claims_report import (
     MISSING, Run, compare, equal_budget, figure, first_at_or_below, fmt, fmt_p, load_run, overview,
 )
 from adazeta.experiments import Design
+from adazeta.tools.cpu_zo_report import read_csv
 from adazeta.tools.experiment import UNDECIDED, Job, chosen_lr
 from adazeta.tools.experiment import load as load_experiment
 
@@ -60,6 +61,7 @@ def load(name: str, design: Design) -> tuple[dict[str, float | None], dict[str, 
     runs: dict[str, dict[int, Run]] = {}
     still: list[str] = []
     codes: set[str] = set()
+    spread: dict[str, list[float]] = {}
     lines = ["| arm | lr | status | dev accuracy | best dev loss | final dev loss | s / forward | chosen | code |",
              "|---|---:|---|---:|---:|---:|---:|---|---|"]
     for arm, spec in design.arms.items():
@@ -78,6 +80,7 @@ def load(name: str, design: Design) -> tuple[dict[str, float | None], dict[str, 
                          f"{run.rec['dev_loss']:.4f} | {fmt(run.curve[-1].loss, 4) if run.curve else MISSING} | "
                          f"{fmt(run.seconds_per_forward(), 2)} | {mark} | {run.code()} |")
             codes.add(run.code())
+            spread.setdefault(arm, []).append(run.rec["dev_loss"])
         runs[arm] = {}
         if chosen[arm] is None:
             continue
@@ -95,7 +98,11 @@ def load(name: str, design: Design) -> tuple[dict[str, float | None], dict[str, 
               f"run and are not extended in this experiment): {', '.join(edges) or 'none'}.",
               "",
               "Grid points whose dev accuracy never left its step-0 value (too small a rate to change a prediction "
-              f"within the budget): {', '.join(still) or 'none'}."]
+              f"within the budget): {', '.join(still) or 'none'}.",
+              "",
+              "Spread of the best dev loss over each grid (largest minus smallest, over the points that ran; does the "
+              "rate matter?): " + (", ".join(f"{a} {max(v) - min(v):.4f} ({len(v)} of {len(design.arms[a].lrs)})"
+                                             for a, v in spread.items() if len(v) > 1) or "none") + "."]
     return chosen, runs, lines
 
 
@@ -155,6 +162,47 @@ def goal(runs: dict[str, dict[int, Run]], cfg: dict, budget: int) -> list[str]:
     return lines
 
 
+def within(lo: float, hi: float, margin: float) -> str:
+    """The margin's verdict on a difference's interval (fractions; ``margin`` in points): the arm is at most
+    ``margin`` points worse than the reference (confirmed), more than that (refuted), or the interval says neither."""
+    if 100 * lo > -margin:
+        return "confirmed"
+    return "refuted" if 100 * hi < -margin else "unresolved"
+
+
+def predictions(run_dir: Path) -> list[tuple[str, str]]:
+    """A run's test predictions: (source row, predicted label) in the order it scored them."""
+    return [(r["row"], r["pred"]) for r in read_csv(run_dir / "predictions" / "test.csv")]
+
+
+def reproduction(name: str, runs: dict[str, dict[int, Run]], chosen: dict[str, float | None],
+                 cfg: dict) -> list[str]:
+    """Each listed arm's runs against their twins in another experiment (same arm name, lr and seed): the largest
+    dev-loss difference over the curve, and the test predictions that differ."""
+    other, tol = str(cfg["experiment"]), float(cfg.get("tolerance", 1e-6))
+    lines = [f"Each run of {', '.join(cfg['arms'])} against its twin in {other} (same arm, lr and seed; a twin "
+             f"reproduces its run when every dev loss is within {tol:g} and every test prediction is the same):", "",
+             "| arm | seed | lr | evaluations (here / twin) | largest dev-loss difference | test predictions that "
+             "differ | reproduced |", "|---|---:|---:|---|---:|---:|---|"]
+    for arm in cfg["arms"]:
+        for seed, run in sorted(runs.get(arm, {}).items()):
+            lr = chosen[arm]
+            here_dir, twin_dir = Job(arm, lr, seed, name, []).run_dir, Job(arm, lr, seed, other, []).run_dir
+            twin = load_run(arm, seed, twin_dir)
+            if twin is None:
+                lines.append(f"| {arm} | {seed} | {lr:g} | {len(run.curve)} / {MISSING} | | | no twin |")
+                continue
+            same_steps = [p.step for p in run.curve] == [p.step for p in twin.curve]
+            gap = max((abs(a.loss - b.loss) for a, b in zip(run.curve, twin.curve)), default=math.nan)
+            mine, theirs = predictions(here_dir), predictions(twin_dir)
+            differ = (sum(a != b for a, b in zip(mine, theirs))
+                      if mine and [r for r, _ in mine] == [r for r, _ in theirs] else None)
+            ok = same_steps and gap <= tol and differ == 0
+            lines.append(f"| {arm} | {seed} | {lr:g} | {len(run.curve)} / {len(twin.curve)} | {gap:.2e} | "
+                         f"{MISSING if differ is None else differ} | {'**yes**' if ok else 'no'} |")
+    return lines
+
+
 def accuracy(runs: dict[str, dict[int, Run]], references: dict[str, str], cfg: dict, n_boot: int) -> list[str]:
     """Endpoint (c): test accuracy at the best-dev state against the reference, paired, Holm over each adapter's
     arms; and the stability counts."""
@@ -172,13 +220,19 @@ def accuracy(runs: dict[str, dict[int, Run]], references: dict[str, str], cfg: d
         for r, p in zip(mine, holm([r[3]["boot"].p for r in mine]) if cfg.get("holm", True) else
                         [r[3]["boot"].p for r in mine]):
             adjusted[r[1]] = p
+    margin = cfg.get("margin")
     lines = ["| arm | vs | difference (points) [95 % CI] | paired bootstrap p | Holm p | McNemar (arm only / ref only, "
-             "p) | per-seed differences | sign-flip p |", "|---|---|---|---:|---:|---|---|---:|"]
+             "p) | per-seed differences | sign-flip p |" + (f" within {margin:g} points? |" if margin is not None else ""),
+             "|---|---|---|---:|---:|---|---|---:|" + ("---|" if margin is not None else "")]
     for _, arm, ref, c in rows:
         b, m = c["boot"], c["mcnemar"]
         lines.append(f"| {arm} | {ref} | {100 * b.diff:+.1f} [{100 * b.lo:+.1f}, {100 * b.hi:+.1f}] | {fmt_p(b.p)} | "
                      f"{fmt_p(adjusted[arm])} | {m.a_only} / {m.b_only}, {fmt_p(m.p)} | "
-                     f"{', '.join(f'{100 * d:+.1f}' for d in c['per_seed'])} | {fmt_p(c['flip'])} |")
+                     f"{', '.join(f'{100 * d:+.1f}' for d in c['per_seed'])} | {fmt_p(c['flip'])} |"
+                     + (f" {within(b.lo, b.hi, float(margin))} |" if margin is not None else ""))
+    if margin is not None:
+        lines += ["", f"Within {margin:g} points: confirmed where the interval's lower end is above -{margin:g}, refuted "
+                      f"where its upper end is below -{margin:g}, unresolved where it straddles -{margin:g}."]
     drift = float(cfg.get("drift_ratio", 1.2))
     lines += ["", f"Stability (final / best dev loss above {drift} counts as drift):", "",
               "| arm | runs | diverged | stalled | drifted | final / best dev loss (per seed) |",
@@ -237,6 +291,8 @@ def report(name: str, out: Path) -> Path:
         "",
         *accuracy(runs, references, ends.get("accuracy", {}), n_boot),
         "",
+        *(["## Reproduction", "", *reproduction(name, runs, chosen, ends["reproduces"]), ""]
+          if ends.get("reproduces") else []),
         "## Equal budgets: mean dev loss / accuracy (%) at equal forward passes",
         "",
         *equal_budget(runs, decided, list(range(every * 2, budget + 1, every * 2))),
