@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import adazeta.run as run_module
 from adazeta.errors import ConfigError
@@ -106,7 +107,14 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_records(method, fixture
     assert len(rows(run_dir / "metrics.csv")) == 5
     assert all(r["split"] == "dev" for r in rows(run_dir / "eval.csv"))  # never tested
 
+    # The run's time carries over: the checkpoint holds the seconds up to it, and the resumed record adds its own.
+    state = torch.load(run_dir / CHECKPOINT, weights_only=False)
+    assert 0 < state["wall_time_s"] <= cut["wall_time_s"]
+    state["wall_time_s"] = 1000.0  # as if the first invocation had taken 1,000 s
+    torch.save(state, run_dir / CHECKPOINT)
+    began = time.time()
     resumed = run(cfg(fixture_data, *extra), run_dir)
+    assert 1000.0 < resumed["wall_time_s"] <= 1000.0 + (time.time() - began) + 0.01
     assert resumed["status"] == "finished" and resumed["resumed_from_step"] == 5
     assert not (run_dir / CHECKPOINT).exists()
     assert rows(run_dir / "metrics.csv", TIMING) == rows(tmp_path / "whole" / "metrics.csv", TIMING)

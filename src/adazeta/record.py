@@ -84,7 +84,7 @@ class RunRecord:
     test_score: float = UNSET
     test_metrics: dict[str, float] = field(default_factory=dict)  # written as test_<name>
     # Provenance, written last.
-    wall_time_s: float = UNSET
+    wall_time_s: float = UNSET  # over every invocation; a resumed one adds its time to its checkpoint's
     git: dict[str, Any] = UNSET
     packages: dict[str, str] = UNSET
     config: dict[str, Any] = UNSET

@@ -226,7 +226,8 @@ def execute(
     Several processes (``d``): every rank trains; rank 0 alone writes files and wandb, and when another rank
     fails, or a signal stops it at once, rank 0 records the run with that rank's report.
     """
-    started = time.time()
+    # Seconds over every invocation: a resumed run starts its clock at the time its checkpoint recorded.
+    started = time.time() - (float(resume.get("wall_time_s", 0.0)) if resume is not None else 0.0)
     code = git_state()  # the code that runs, read before it runs (the tree may change during a long run)
     seed_everything(s.seed)
     record = RunRecord(s.method, s.task.name, s.task.version, s.model.name, s.seed, s.experiment)
@@ -239,7 +240,7 @@ def execute(
     signals = StopSignals(distributed.lost_peers if d.enabled else None)
     with signals:
         try:
-            tracker = _execute(s, run_dir, resume, record, signals, saved, d, observers)
+            tracker = _execute(s, run_dir, resume, record, signals, saved, started, d, observers)
         except Interrupted as stop:  # a signal stopped the run at once
             signals.at("save", "the run's record")
             record.status, record.signal, record.reason = "interrupted", stop.name, stop.describe()
@@ -343,11 +344,12 @@ def open_tracker(s: Settings, run_dir: Path, resume: dict[str, Any] | None, d: D
 
 def _execute(
     s: Settings, run_dir: Path, resume: dict[str, Any] | None, record: RunRecord, signals: StopSignals,
-    saved: list[int | None], d: Dist = distributed.SINGLE, observers: Sequence[Observer] = (),
+    saved: list[int | None], started: float, d: Dist = distributed.SINGLE, observers: Sequence[Observer] = (),
 ) -> Tracker:
     """The body of ``execute``: builds, trains and tests; ``record`` fills from what was built
     (``Built.record_fields``) and what happened (``Outcome.record_fields``). Returns the tracker it opened.
-    ``saved[0]``: the step of each checkpoint written."""
+    ``saved[0]``: the step of each checkpoint written; ``started``: the run's clock (``time.time()`` at its start, less
+    the seconds of the invocations before a resume), so a checkpoint records the run's time up to it."""
     b = build(s)
     reset_peak_memory(b.device)
     record.update(**b.record_fields(s, d))
@@ -366,7 +368,8 @@ def _execute(
         signals.at("save", f"the checkpoint at step {state['step']}")
         try:
             if d.is_main:
-                save_checkpoint(run_dir / CHECKPOINT, {"config": s.raw, "loop": state, "tracker": tracker.position()})
+                save_checkpoint(run_dir / CHECKPOINT, {"config": s.raw, "loop": state, "tracker": tracker.position(),
+                                                       "wall_time_s": round(time.time() - started, 2)})
             saved[0] = state["step"]
         finally:
             signals.at(phase, where)
