@@ -209,3 +209,47 @@ def test_the_follow_up_reports_its_margin_its_twins_and_each_grids_spread(result
     # the parent experiment's report has neither the margin column nor a reproduction section
     parent = optimizers_report.report(NAME, results / "results").read_text()
     assert "within 5 points?" not in parent and "## Reproduction" not in parent
+
+
+def test_the_readme_tt_verdicts_are_the_reports():
+    """The README's TT verdicts against the generated report: each (c) difference it quotes ("`arm` -1.7 [-2.8,
+    -0.6]"), each median share of (a), and the goal's count of runs that reached 0.75."""
+    import re
+
+    report = (ROOT / "results" / "tables" / f"{NAME}_report.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("The TT wave against `tt_zo_sgd`"):readme.index("What the grids show")]
+    section = re.sub(r"\s+", " ", section)
+    quoted = re.findall(r"`(tt_[a-z_]+)` ([+-][0-9.]+ \[[+-][0-9.]+, [+-][0-9.]+\])", section)
+    assert len(quoted) == 9  # every TT arm against ZO-SGD
+    for arm, interval in quoted:
+        row = next(line for line in report.splitlines() if line.startswith(f"| {arm} | tt_zo_sgd |"))
+        assert row.split("|")[3].strip() == interval, arm
+    shares = {line.split("|")[1].strip(): line.split("|")[4].strip().split(" ")[0]
+              for line in report[report.index("## (a)"):report.index("## (b)")].splitlines()
+              if line.startswith("| tt_") and len(line.split("|")) == 6}
+    for name, arm in (("HiZOO", "tt_hizoo"), ("ZO-Cons", "tt_zo_cons"), ("ZO-Muon", "tt_zo_muon"),
+                      ("LOZO", "tt_lozo")):
+        assert f"{name} ({shares[arm]})" in section, arm
+    assert f"median share {shares['tt_forward_grad']} " in section
+    goal = [line.split("|")[2].strip() for line in report[report.index("## (b)"):].splitlines()
+            if line.startswith("| tt_") and len(line.split("|")) == 6]
+    reached = sum(int(g.split(" of ")[0]) for g in goal)
+    runs = sum(int(g.split(" of ")[1]) for g in goal)
+    assert f"One run of {runs} reached" in section and reached == 1
+
+
+def test_forward_grad_walks_zo_sgds_path_in_the_committed_runs():
+    """The README's reading of Forward-Grad: the same seeded directions and an exact directional derivative put its
+    dev loss within 0.001 of ZO-SGD's at the same step (steps 100 and 200), at every seed."""
+    import csv
+
+    runs = ROOT / "results" / "runs" / NAME
+    for seed in CONFIG["design"]["seeds"]:
+        def dev(arm: str) -> dict[int, float]:
+            with open(runs / arm / f"lr=0.0003,seed={seed}" / "eval.csv") as f:
+                return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f) if r["split"] == "dev"}
+        sgd, fg = dev("tt_zo_sgd"), dev("tt_forward_grad")
+        for step in (100, 200):
+            assert abs(sgd[step] - fg[step]) < 1e-3, (seed, step)
+        assert abs(sgd[400] - fg[400]) > 1e-4 or seed != 0  # the paths part later: not one run written twice
