@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 
 from adazeta.errors import ConfigError
 from adazeta.experiments import design_of
+from adazeta.rundir import claim, holder
 from adazeta.tools import experiment as driver
 
 CONFIG = {
@@ -207,3 +210,28 @@ def test_the_driver_refuses_an_unknown_experiment_in_one_line(root, monkeypatch)
     monkeypatch.setattr(sys, "argv", ["experiment.py", "nosuch", "--dry"])
     with pytest.raises(SystemExit, match="no experiment config .*nosuch.yaml; known experiments: .*cpu_zo"):
         driver.main()
+
+
+def test_a_run_another_process_holds_is_left_to_it_and_a_free_one_is_launched(root, monkeypatch, capsys):
+    """Two drivers can share a phase: a run whose directory is claimed by a live run is skipped (not launched, not
+    logged as a launch, not a failure); a lock file nobody holds any more (a finished or killed run) is no claim."""
+    monkeypatch.setattr(driver, "git_state", lambda: {"commit": "abc123def4567", "dirty": False})
+    monkeypatch.setattr(sys, "argv", ["experiment.py", "cpu_zo_claims", "--arms", "zero_shot", "--phase", "select"])
+    (job,) = list(driver.plan("cpu_zo_claims", driver.load("cpu_zo_claims")[1], "select", ["zero_shot"]))
+    assert holder(job.run_dir) is None  # never claimed
+    launched = []
+    monkeypatch.setattr(driver.subprocess, "run",
+                        lambda cmd, **kw: launched.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    with claim(job.run_dir):
+        assert holder(job.run_dir).startswith(f"pid {os.getpid()} ")
+        with pytest.raises(SystemExit) as stop:
+            driver.main()
+    assert stop.value.code == 0 and launched == []
+    assert "zero_shot lr=None seed=0: skipped, another run holds it (pid " in capsys.readouterr().out
+    assert not (root / "results" / "runs" / "cpu_zo_claims" / "launches.csv").exists()
+
+    assert holder(job.run_dir) is None  # released: the lock file stays, with no owner
+    with pytest.raises(SystemExit) as stop:
+        driver.main()
+    assert stop.value.code == 0 and len(launched) == 1
+    assert len((root / "results" / "runs" / "cpu_zo_claims" / "launches.csv").read_text().splitlines()) == 2

@@ -128,6 +128,26 @@ def claim(run_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def holder(run_dir: Path) -> str | None:
+    """Who holds ``run_dir`` now (its lock file's owner line), or None when no live process does."""
+    path = run_dir / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None  # never claimed, or not readable: a run would find out itself
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # refused while a run holds it exclusively
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            return _owner(path)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` in one rename; on failure the old file (if any) is left as it was."""
     tmp = path.with_name(f".{path.name}.tmp")

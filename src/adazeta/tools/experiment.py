@@ -9,9 +9,10 @@ The one driver of every experiment. It reads the experiment's one schema (``arms
 ``adazeta.experiments``) from its config as ``adazeta-run experiment=NAME`` composes it. Every run is one
 ``adazeta-run`` in its own directory, results/runs/NAME/ARM/[POINT,]lr=LR,seed=S under the current directory (the
 repository root through make; POINT: the design grid's values, ``task=rte``); a directory that already holds a
-finished or diverged result is skipped, so the experiment can be interrupted and continued. The lr of an arm is
-chosen at each grid point on dev accuracy (ties: dev loss) at the selection seed, never on test, and only once its
-whole lr grid has run there. Stress runs go to NAME_stress. (``adazeta-run -m experiment=NAME`` is the same
+finished or diverged result is skipped, so the experiment can be interrupted and continued, and one that another
+process is running (its directory's lock is held) is left to it, so several drivers can share a phase. The lr of an
+arm is chosen at each grid point on dev accuracy (ties: dev loss) at the selection seed, never on test, and only
+once its whole lr grid has run there. Stress runs go to NAME_stress. (``adazeta-run -m experiment=NAME`` is the same
 experiment's sweep at its reference settings, through Hydra's launchers.)
 """
 
@@ -38,6 +39,7 @@ from adazeta.experiments import Arm, Design, compose_experiment, design_of
 from adazeta.tools.offline import use_shared
 from adazeta.record import ENDED, main_score
 from adazeta.results import git_state
+from adazeta.rundir import holder
 
 PHASES = ("select", "seeds", "stress")
 
@@ -212,6 +214,12 @@ def main() -> None:
 
         def launch(job: Job) -> int:
             cmd = command(args.experiment, job, extra)
+            where = "".join(f" {k}={v}" for k, v in job.point)
+            owner = holder(job.run_dir)
+            if owner is not None:  # another driver (or a hand-started run) has it: leave it to that process
+                print(f"# {job.arm}{where} lr={job.lr} seed={job.seed}: skipped, another run holds it ({owner})",
+                      flush=True)
+                return 0
             print("$ adazeta-run " + " ".join(shlex.quote(a) for a in cmd[3:]), flush=True)
             if args.dry:
                 return 0
@@ -220,7 +228,6 @@ def main() -> None:
             start = time.time()
             with open(job.run_dir / "stdout.log", "w") as log:
                 rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-            where = "".join(f" {k}={v}" for k, v in job.point)
             print(f"# {job.arm}{where} lr={job.lr} seed={job.seed}: {status(job.run_dir)} (exit {rc}, "
                   f"{time.time() - start:.0f} s)", flush=True)
             return rc
