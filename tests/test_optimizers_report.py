@@ -257,3 +257,10 @@ def test_forward_grad_walks_zo_sgds_path_in_the_committed_runs():
         for step in (100, 200):
             assert abs(sgd[step] - fg[step]) < 1e-3, (seed, step)
         assert abs(sgd[400] - fg[400]) > 1e-4 or seed != 0  # the paths part later: not one run written twice
+    lora = {arm: runs / arm / "lr=0.001,seed=0" / "eval.csv" for arm in ("lora_zo_sgd", "lora_forward_grad")}
+    with open(lora["lora_zo_sgd"]) as f:  # on LoRA too, at every step both reached
+        sgd = {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f) if r["split"] == "dev"}
+    with open(lora["lora_forward_grad"]) as f:
+        fg = {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f) if r["split"] == "dev"}
+    assert len(set(sgd) & set(fg)) >= 5
+    assert all(abs(sgd[step] - fg[step]) < 1e-3 for step in set(sgd) & set(fg))
