@@ -248,19 +248,16 @@ def test_forward_grad_walks_zo_sgds_path_in_the_committed_runs():
     dev loss within 0.001 of ZO-SGD's at the same step (steps 100 and 200), at every seed."""
     import csv
 
-    runs = ROOT / "results" / "runs" / NAME
+    def dev(arm: str, run: str) -> dict[int, float]:
+        with open(ROOT / "results" / "runs" / NAME / arm / run / "eval.csv") as f:
+            return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f) if r["split"] == "dev"}
+
     for seed in CONFIG["design"]["seeds"]:
-        def dev(arm: str) -> dict[int, float]:
-            with open(runs / arm / f"lr=0.0003,seed={seed}" / "eval.csv") as f:
-                return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f) if r["split"] == "dev"}
-        sgd, fg = dev("tt_zo_sgd"), dev("tt_forward_grad")
+        sgd, fg = dev("tt_zo_sgd", f"lr=0.0003,seed={seed}"), dev("tt_forward_grad", f"lr=0.0003,seed={seed}")
         for step in (100, 200):
             assert abs(sgd[step] - fg[step]) < 1e-3, (seed, step)
         assert abs(sgd[400] - fg[400]) > 1e-4 or seed != 0  # the paths part later: not one run written twice
-    lora = {arm: runs / arm / "lr=0.001,seed=0" / "eval.csv" for arm in ("lora_zo_sgd", "lora_forward_grad")}
-    with open(lora["lora_zo_sgd"]) as f:  # on LoRA too, at every step both reached
-        sgd = {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f) if r["split"] == "dev"}
-    with open(lora["lora_forward_grad"]) as f:
-        fg = {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f) if r["split"] == "dev"}
+    # on LoRA too, at every step both reached
+    sgd, fg = dev("lora_zo_sgd", "lr=0.001,seed=0"), dev("lora_forward_grad", "lr=0.001,seed=0")
     assert len(set(sgd) & set(fg)) >= 5
     assert all(abs(sgd[step] - fg[step]) < 1e-3 for step in set(sgd) & set(fg))

@@ -94,6 +94,17 @@ def _owner(path: Path) -> str:
         return "unknown"
 
 
+def _lock(fd: int, kind: int) -> bool:
+    """Take the lock ``kind`` on ``fd`` without waiting; False when another open file holds a conflicting one."""
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        return False
+    return True
+
+
 @contextmanager
 def claim(run_dir: Path) -> Iterator[None]:
     """Hold ``run_dir`` exclusively for the duration; ConfigError if another live process holds it."""
@@ -104,11 +115,7 @@ def claim(run_dir: Path) -> Iterator[None]:
     except OSError as err:
         raise ConfigError(f"cannot write the run directory {run_dir}: {err.strerror}; choose another hydra.run.dir")
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
+        if not _lock(fd, fcntl.LOCK_EX):
             raise ConfigError(
                 f"run directory {run_dir} is in use by another run ({_owner(path)}); wait for it to end "
                 "or choose another hydra.run.dir"
@@ -136,11 +143,7 @@ def holder(run_dir: Path) -> str | None:
     except OSError:
         return None  # never claimed, or not readable: a run would find out itself
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # refused while a run holds it exclusively
-        except OSError as err:
-            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
+        if not _lock(fd, fcntl.LOCK_SH):  # refused while a run holds it exclusively
             return _owner(path)
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
