@@ -205,3 +205,22 @@ def test_the_command_exits_as_documented(args, code, message, fixture_data, tmp_
     else:
         assert proc.stderr.splitlines() == [proc.stderr.splitlines()[0]] and proc.stderr.startswith(message)
     assert not run_dir.exists()
+
+
+def test_a_hub_that_cannot_be_reached_is_one_line_naming_the_model_and_the_local_way(monkeypatch):
+    """transformers raises OSError for an unreachable Hub or an unknown repo: a model problem, with its fix, not a
+    failed write of the run directory (the CLI's OSError line)."""
+    import transformers
+
+    from adazeta import models
+
+    monkeypatch.delenv(models.MODEL_DIR_ENV, raising=False)
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.\nmore")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    cfg = models.ModelConfig(name="m", hub_id="org/no-such-model", family="causal")
+    with pytest.raises(ConfigError, match=r"cannot load model org/no-such-model from the Hugging Face Hub \(OSError: "
+                                          r"We couldn't connect.*\); .*model.model_dir=<folder> or ADAZETA_MODEL_DIR"):
+        models.load_model(cfg)

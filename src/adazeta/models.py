@@ -417,6 +417,10 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> LoadedModel:
             model = auto.from_pretrained(source.path, dtype=cfg.torch_dtype, **kwargs, **spread)
         except Exception as err:  # incl. safetensors' SafetensorError, a GGUF's struct.error, torch's unpickling
             if source.kind != "local":
+                if isinstance(err, OSError):  # transformers' word for a Hub that cannot be reached or has no such repo
+                    raise ConfigError(f"cannot load model {source.path} from the Hugging Face Hub ({first_line(err)}); "
+                                      "check the name and the connection, or run from a local copy: "
+                                      f"model.model_dir=<folder> or {MODEL_DIR_ENV}") from None
                 raise
             # A local file that passed the header checks but cannot be read: truncated or corrupt contents.
             what = Path(source.path) / (source.gguf_file or "")
