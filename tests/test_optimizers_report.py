@@ -86,6 +86,19 @@ def test_the_report_reads_each_arm_at_its_dev_chosen_lr(results):
     # both chosen rates are their grid's middle point; ZO-SGD's other points never changed a dev prediction
     assert "are not extended in this experiment): none." in text
     assert "tt_zo_sgd 0.0001 (dev loss -40.0 %), tt_zo_sgd 0.001 (dev loss -40.0 %)." in text
+    assert "Interim, seeds still to run" not in text  # both arms ran seeds 0-2
+
+
+def test_the_report_says_which_rows_pair_unequal_seeds(results):
+    """An arm with one seed so far against a reference with three: the row says so, not a plain difference."""
+    correct = (np.random.default_rng(1).random(872) < 0.7).astype(float)
+    for lr in CONFIG["arms"]["tt_zo_sgd"]["lr"]:
+        for seed in CONFIG["design"]["seeds"] if lr == 3e-4 else [0]:
+            write_run("tt_zo_sgd", lr, seed, [1.0, 0.8, 0.6], [0.6, 0.65, 0.7 if lr == 3e-4 else 0.65], correct)
+    for lr in CONFIG["arms"]["tt_es"]["lr"]:
+        write_run("tt_es", lr, 0, [1.0, 0.9, 0.8], [0.6, 0.6, 0.6 + lr], correct)
+    text = optimizers_report.report(NAME, results / "results").read_text()
+    assert "Interim, seeds still to run: `tt_es` 1 against `tt_zo_sgd`'s 3." in text
 
 
 def test_the_report_names_a_rate_chosen_at_an_end_of_its_grid(results):

@@ -230,6 +230,12 @@ def accuracy(runs: dict[str, dict[int, Run]], references: dict[str, str], cfg: d
                      f"{fmt_p(adjusted[arm])} | {m.a_only} / {m.b_only}, {fmt_p(m.p)} | "
                      f"{', '.join(f'{100 * d:+.1f}' for d in c['per_seed'])} | {fmt_p(c['flip'])} |"
                      + (f" {within(b.lo, b.hi, float(margin))} |" if margin is not None else ""))
+    uneven = [f"`{arm}` {c['seeds'][0]} against `{ref}`'s {c['seeds'][1]}" for _, arm, ref, c in rows
+              if c["seeds"][0] != c["seeds"][1]]
+    if uneven:
+        lines += ["", f"Interim, seeds still to run: {', '.join(uneven)}. Such a row's difference and interval "
+                      "compare the mean over each arm's seeds so far; its McNemar counts and per-seed differences use "
+                      "the seeds both arms have."]
     if margin is not None:
         lines += ["", f"Within {margin:g} points: confirmed where the interval's lower end is above -{margin:g}, refuted "
                       f"where its upper end is below -{margin:g}, unresolved where it straddles -{margin:g}."]
