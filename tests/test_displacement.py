@@ -114,3 +114,4 @@ def test_the_command_prints_a_table_and_writes_the_csv(data_dir, tmp_path):
         rows = list(csv.DictReader(f))
     assert rows[-1]["group"] == "all" and all(r["steps"] == "3" for r in rows)
     assert all(LR <= float(r["rms_displacement"]) <= 3 * LR + 1e-9 for r in rows)
+    assert b"\r" not in (tmp_path / "d.csv").read_bytes()  # \n line ends, as every CSV the project writes

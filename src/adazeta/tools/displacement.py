@@ -189,7 +189,7 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("w", newline="") as f:
-            csv.writer(f).writerows([COLUMNS, *table])
+            csv.writer(f, lineterminator="\n").writerows([COLUMNS, *table])  # \n line ends, as every CSV here
         print(f"\nwrote {args.out}", file=sys.stderr)
 
 
