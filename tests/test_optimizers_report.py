@@ -228,32 +228,57 @@ def test_the_follow_up_reports_its_margin_its_twins_and_each_grids_spread(result
     assert "within 5 points?" not in parent and "## Reproduction" not in parent
 
 
-def test_the_readme_tt_verdicts_are_the_reports():
-    """The README's TT verdicts against the generated report: each (c) difference it quotes ("`arm` -1.7 [-2.8,
-    -0.6]"), each median share of (a), and the goal's count of runs that reached 0.75."""
+@pytest.mark.parametrize("wave, begin, end, arms, named", [
+    ("tt", "The TT wave against `tt_zo_sgd`", "The LoRA wave against `lora_zo_sgd`", 9,
+     (("HiZOO", "hizoo"), ("ZO-Cons", "zo_cons"), ("ZO-Muon", "zo_muon"), ("LOZO", "lozo"))),
+    ("lora", "The LoRA wave against `lora_zo_sgd`", "What the grids show", 6, ()),
+])
+def test_the_readme_verdicts_are_the_reports(wave, begin, end, arms, named):
+    """The README's verdicts of each adapter wave against the generated report: each (c) difference it quotes
+    ("`arm` -1.7 [-2.8, -0.6]"), each median share of (a) it names, Forward-Grad's, and the goal's count of runs
+    that reached 0.75."""
     import re
 
     report = (ROOT / "results" / "tables" / f"{NAME}_report.md").read_text()
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("The TT wave against `tt_zo_sgd`"):readme.index("What the grids show")]
-    section = re.sub(r"\s+", " ", section)
-    quoted = re.findall(r"`(tt_[a-z_]+)` ([+-][0-9.]+ \[[+-][0-9.]+, [+-][0-9.]+\])", section)
-    assert len(quoted) == 9  # every TT arm against ZO-SGD
+    section = re.sub(r"\s+", " ", readme[readme.index(begin):readme.index(end)])
+    quoted = re.findall(rf"`({wave}_[a-z_]+)` ([+-][0-9.]+ \[[+-][0-9.]+, [+-][0-9.]+\])", section)
+    assert len(quoted) == arms  # every arm of the wave against ZO-SGD
     for arm, interval in quoted:
-        row = next(line for line in report.splitlines() if line.startswith(f"| {arm} | tt_zo_sgd |"))
+        row = next(line for line in report.splitlines() if line.startswith(f"| {arm} | {wave}_zo_sgd |"))
         assert row.split("|")[3].strip() == interval, arm
+    assert "Interim, seeds still to run" not in report  # every verdict reads complete arms
     shares = {line.split("|")[1].strip(): line.split("|")[4].strip().split(" ")[0]
               for line in report[report.index("## (a)"):report.index("## (b)")].splitlines()
-              if line.startswith("| tt_") and len(line.split("|")) == 6}
-    for name, arm in (("HiZOO", "tt_hizoo"), ("ZO-Cons", "tt_zo_cons"), ("ZO-Muon", "tt_zo_muon"),
-                      ("LOZO", "tt_lozo")):
-        assert f"{name} ({shares[arm]})" in section, arm
-    assert f"median share {shares['tt_forward_grad']} " in section
+              if line.startswith(f"| {wave}_") and len(line.split("|")) == 6}
+    for name, arm in named:
+        assert f"{name} ({shares[f'{wave}_{arm}']})" in section, arm
+    assert f"median share {shares[f'{wave}_forward_grad']} " in section
     goal = [line.split("|")[2].strip() for line in report[report.index("## (b)"):].splitlines()
-            if line.startswith("| tt_") and len(line.split("|")) == 6]
+            if line.startswith(f"| {wave}_") and len(line.split("|")) == 6]
     reached = sum(int(g.split(" of ")[0]) for g in goal)
     runs = sum(int(g.split(" of ")[1]) for g in goal)
-    assert f"One run of {runs} reached" in section and reached == 1
+    said = re.search(r"(One|No) run of (\d+) reached", section)
+    assert said and int(said.group(2)) == runs and reached == (1 if said.group(1) == "One" else 0)
+
+
+def test_hizoo_walks_zo_sgds_path_in_the_committed_runs():
+    """The README's reading of HiZOO at the registered smoothing (a = 1e-8): on both adapters, at every seed, its dev
+    loss at steps 100, 200 and 300 is within 0.0001 of ZO-SGD's at the same step, while it spends 3 forwards a step
+    (334 steps in the budget) to ZO-SGD's 2 (500)."""
+    import csv
+
+    def dev(arm: str, run: str) -> dict[int, float]:
+        with open(ROOT / "results" / "runs" / NAME / arm / run / "eval.csv") as f:
+            return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f) if r["split"] == "dev"}
+
+    for wave, lr in (("tt", "0.0003"), ("lora", "0.001")):
+        for seed in CONFIG["design"]["seeds"]:
+            sgd, hizoo = dev(f"{wave}_zo_sgd", f"lr={lr},seed={seed}"), dev(f"{wave}_hizoo", f"lr={lr},seed={seed}")
+            assert max(sgd) == 500 and max(hizoo) == 334, (wave, seed)
+            for step in (100, 200, 300):
+                assert abs(sgd[step] - hizoo[step]) < 1e-4, (wave, seed, step)
+            assert hizoo[334] != sgd[300]  # its own last step, not a copy of ZO-SGD's
 
 
 def test_forward_grad_walks_zo_sgds_path_in_the_committed_runs():
