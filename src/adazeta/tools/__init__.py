@@ -15,6 +15,7 @@ Reports (read result files, write tables and figures):
     cpu_zo_report      the cpu_zo experiment's table, figures and verdicts (make cpu-zo-report)
     claims_report      a pre-registered claims experiment's endpoints and verdicts (make cpu-zo-claims-report)
     optimizers_report  the pre-registered ZO optimizer comparison's endpoints (make cpu-zo-optimizers-report)
+    twins              does a run reproduce another: dev curve, training log, test predictions, commits and CPUs
 
 Benches and instruments (build runs as ``adazeta-run`` would, then measure):
     bench              speed: forwards, ZO steps, every ZO method, scaling, evaluation, memory phases (make bench)

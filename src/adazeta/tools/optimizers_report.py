@@ -19,12 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from adazeta.tools import one_line_errors
+from adazeta.tools import one_line_errors, twins
 from adazeta.tools.claims_report import (
     MISSING, Run, compare, equal_budget, figure, first_at_or_below, fmt, fmt_p, load_run, overview,
 )
 from adazeta.experiments import Design
-from adazeta.tools.cpu_zo_report import read_csv
 from adazeta.tools.experiment import UNDECIDED, Job, chosen_lr
 from adazeta.tools.experiment import load as load_experiment
 
@@ -170,15 +169,11 @@ def within(lo: float, hi: float, margin: float) -> str:
     return "refuted" if 100 * hi < -margin else "unresolved"
 
 
-def predictions(run_dir: Path) -> list[tuple[str, str]]:
-    """A run's test predictions: (source row, predicted label) in the order it scored them."""
-    return [(r["row"], r["pred"]) for r in read_csv(run_dir / "predictions" / "test.csv")]
-
-
 def reproduction(name: str, runs: dict[str, dict[int, Run]], chosen: dict[str, float | None],
                  cfg: dict) -> list[str]:
-    """Each listed arm's runs against their twins in another experiment (same arm name, lr and seed): the largest
-    dev-loss difference over the curve, and the test predictions that differ."""
+    """Each listed arm's runs against their twins in another experiment (same arm name, lr and seed), by
+    ``adazeta.tools.twins``: the dev-loss difference at step 0 and the largest over the curve, the test predictions
+    that differ, and the CPUs each ran on."""
     other, tol = str(cfg["experiment"]), float(cfg.get("tolerance", 1e-6))
     lines = [f"Each run of {', '.join(cfg['arms'])} against its twin in {other} (same arm, lr and seed; a twin "
              f"reproduces its run when every dev loss is within {tol:g} and every test prediction is the same):", "",
@@ -190,36 +185,23 @@ def reproduction(name: str, runs: dict[str, dict[int, Run]], chosen: dict[str, f
         for seed, run in sorted(runs.get(arm, {}).items()):
             lr = chosen[arm]
             here_dir, twin_dir = Job(arm, lr, seed, name, []).run_dir, Job(arm, lr, seed, other, []).run_dir
-            twin = load_run(arm, seed, twin_dir)
-            if twin is None:
-                lines.append(f"| {arm} | {seed} | {lr:g} | {len(run.curve)} / {MISSING} | | | | {cpu(run.rec)} / "
-                             f"{MISSING} | no twin |")
+            if load_run(arm, seed, twin_dir) is None:
+                lines.append(f"| {arm} | {seed} | {lr:g} | {len(run.curve)} / {MISSING} | | | | {twins.cpu(run.rec)} "
+                             f"/ {MISSING} | no twin |")
                 continue
-            same_steps = [p.step for p in run.curve] == [p.step for p in twin.curve]
-            gap = max((abs(a.loss - b.loss) for a, b in zip(run.curve, twin.curve)), default=math.nan)
-            mine, theirs = predictions(here_dir), predictions(twin_dir)
-            differ = (sum(a != b for a, b in zip(mine, theirs))
-                      if mine and [r for r, _ in mine] == [r for r, _ in theirs] else None)
-            start = abs(run.curve[0].loss - twin.curve[0].loss) if run.curve and twin.curve else math.nan
-            ok = same_steps and gap <= tol and differ == 0
-            here_cpu, twin_cpu = cpu(run.rec), cpu(twin.rec)
-            apart = here_cpu != twin_cpu
-            across |= apart and not ok
-            verdict = "**yes**" if ok else "no (CPUs differ)" if apart else "no"
-            lines.append(f"| {arm} | {seed} | {lr:g} | {len(run.curve)} / {len(twin.curve)} | {start:.2e} | "
-                         f"{gap:.2e} | {MISSING if differ is None else differ} | "
-                         f"{here_cpu if not apart else f'{here_cpu} / {twin_cpu}'} | {verdict} |")
+            t = twins.compare(here_dir, twin_dir)
+            ok = t.reproduced(tol)
+            across |= not t.same_cpu and not ok
+            verdict = "**yes**" if ok else "no" if t.same_cpu else "no (CPUs differ)"
+            lines.append(f"| {arm} | {seed} | {lr:g} | {t.evaluations[0]} / {t.evaluations[1]} | {t.start_gap:.2e} | "
+                         f"{t.dev_gap:.2e} | {MISSING if t.predictions_differ is None else t.predictions_differ} | "
+                         f"{t.cpus[0] if t.same_cpu else ' / '.join(t.cpus)} | {verdict} |")
     if across:
         lines += ["", "A run and its twin on different CPUs need not match to the bit: the two CPUs' matrix kernels "
                   "round differently, which the step-0 dev loss (the same weights, before any update) shows, and "
-                  "each ZO step then carries the difference on. A same-CPU twin tests the code; these rows do not."]
+                  "each ZO step then carries the difference on. A same-CPU twin tests the code; these rows do not "
+                  "(`python -m adazeta.tools.twins RUN TWIN` compares any two runs)."]
     return lines
-
-
-def cpu(rec: dict) -> str:
-    """The CPU (or device) name a run's result records, ``?`` where it has none."""
-    device = rec.get("device") or {}
-    return str(device.get("name") or device.get("type") or "?") if isinstance(device, dict) else str(device)
 
 
 def accuracy(runs: dict[str, dict[int, Run]], references: dict[str, str], cfg: dict, n_boot: int) -> list[str]:
