@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ CONFIG = yaml.safe_load((ROOT / "conf" / "experiment" / f"{NAME}.yaml").read_tex
 
 
 def write_run(arm: str, lr: float, seed: int, losses: list[float], accs: list[float], correct: np.ndarray,
-              every: int = 100, name: str = NAME) -> None:
+              every: int = 100, name: str = NAME, cpu: str | None = None) -> None:
     """A run of experiment ``name`` whose dev loss / accuracy are losses[i] / accs[i] after i x ``every`` forward
     passes."""
     run_dir = Job(arm, lr, seed, name, []).run_dir
@@ -40,7 +41,8 @@ def write_run(arm: str, lr: float, seed: int, losses: list[float], accs: list[fl
     (run_dir / "result.json").write_text(json.dumps({
         "status": "finished", "reason": None, "dev_accuracy": accs[best], "dev_loss": min(losses),
         "test_accuracy": float(correct.mean()), "forward_passes": steps[-1] * 2, "peak_mem_mb": 1000.0,
-        "wall_time_s": 1800.0, "best_step": steps[best], "git": {"commit": "abcdef0123", "dirty": False}}))
+        "wall_time_s": 1800.0, "best_step": steps[best], "git": {"commit": "abcdef0123", "dirty": False},
+        **({"device": {"type": "cpu", "name": cpu}} if cpu else {})}))
 
 
 @pytest.fixture
@@ -78,6 +80,15 @@ def test_the_report_reads_each_arm_at_its_dev_chosen_lr(results):
     row = next(line for line in text.splitlines() if line.startswith("| tt_zo_adam | tt_zo_sgd |"))
     assert "+" in row.split("|")[3]  # tt_zo_adam is ahead on test, paired
     assert "undecided:" in text and "tt_es" in text  # arms whose grid has not run are named
+    assert "ran on 2 CPUs" not in text  # no CPU recorded: nothing to say
+    for seed in CONFIG["design"]["seeds"]:  # the same runs, ZO-Adam's seed 2 on another CPU
+        for arm, lr, losses, correct in (("tt_zo_sgd", 3e-4, slow, base), ("tt_zo_adam", 3e-5, fast, better)):
+            accs = [0.6 + 0.01 * i for i in range(11)] if arm == "tt_zo_sgd" else [0.6, 0.7] + [0.8] * 9
+            shutil.rmtree(Job(arm, lr, seed, NAME, []).run_dir)
+            write_run(arm, lr, seed, losses, accs, correct, cpu="CPU B" if (arm, seed) == ("tt_zo_adam", 2) else "CPU A")
+    text = optimizers_report.report(NAME, results / "results").read_text()
+    assert "ran on 2 CPUs" in text and "By arm: CPU A: tt_zo_sgd; both: tt_zo_adam (seed 0 CPU A, seed 1 CPU A, " \
+        "seed 2 CPU B)." in text
     # equal training time: 0.5 s a step of 2 forwards; at 2 min the last evaluation is at step 200 (400 forwards),
     # at 4 min at step 450; no run trained for 6 min
     assert "| arm | s / forward | 2 min | 4 min | 6 min | 8 min | 10 min |" in text

@@ -254,6 +254,22 @@ def accuracy(runs: dict[str, dict[int, Run]], references: dict[str, str], cfg: d
     return lines
 
 
+def cpus(runs: dict[str, dict[int, Run]]) -> list[str]:
+    """Which CPU each arm's runs ran on: a ZO run's last bits are its CPU's (``adazeta.tools.twins``), so two runs
+    of one command on two CPUs are two nearby draws, not one run twice."""
+    by_arm = {arm: {seed: twins.cpu(run.rec) for seed, run in sorted(seeds.items())} for arm, seeds in runs.items()}
+    names = sorted({c for seeds in by_arm.values() for c in seeds.values()})
+    if len(names) < 2:
+        return []
+    parts = [f"{c}: {', '.join(a for a, s in by_arm.items() if s and set(s.values()) == {c})}" for c in names]
+    mixed = [f"{a} ({', '.join(f'seed {seed} {c}' for seed, c in s.items())})"
+             for a, s in by_arm.items() if len(set(s.values())) > 1]
+    return [f"The runs above ran on {len(names)} CPUs. A run's last bits are its CPU's: the same command gives "
+            "dev losses that differ in their last digits at step 0 on two CPUs, and the ZO steps carry that on "
+            "(`python -m adazeta.tools.twins RUN TWIN`). By arm: " + "; ".join(p for p in parts if not p.endswith(": "))
+            + (f"; both: {', '.join(mixed)}" if mixed else "") + ".", ""]
+
+
 def report(name: str, out: Path) -> Path:
     config, design = load_experiment(name)
     ends = config.get("endpoints") or {}
@@ -285,6 +301,7 @@ def report(name: str, out: Path) -> Path:
         *overview({a: runs[a] for a in decided}, {**config, "arms": {a: config["arms"][a] for a in decided}}, design,
                   n_boot),
         "",
+        *cpus({a: runs[a] for a in decided}),
         "## (a) Forwards to reach ZO-SGD's final dev loss, as a share of ZO-SGD's (per seed, same dev set)",
         "",
         *shares(runs, references),
