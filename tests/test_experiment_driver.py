@@ -235,3 +235,31 @@ def test_a_run_another_process_holds_is_left_to_it_and_a_free_one_is_launched(ro
         driver.main()
     assert stop.value.code == 0 and len(launched) == 1
     assert len((root / "results" / "runs" / "cpu_zo_claims" / "launches.csv").read_text().splitlines()) == 2
+
+
+def test_a_run_another_driver_ended_after_the_plan_is_not_launched_again(root, monkeypatch, capsys):
+    """Two drivers sharing a phase each plan it at their start; a run the other one finished since then (no longer
+    held) is skipped: no second launch, no launch row, its stdout.log kept."""
+    monkeypatch.setattr(driver, "git_state", lambda: {"commit": "abc123def4567", "dirty": False})
+    monkeypatch.setattr(sys, "argv", ["experiment.py", "cpu_zo_claims", "--arms", "zero_shot,zero_shot_cc",
+                                      "--phase", "select", "--jobs", "1"])
+    design = driver.load("cpu_zo_claims")[1]
+    first, second = (j for arm in ("zero_shot", "zero_shot_cc")
+                     for j in driver.plan("cpu_zo_claims", design, "select", [arm]))
+    launched = []
+
+    def run(cmd, **kw):  # while this driver runs the first job, the other finishes the second
+        launched.append(cmd)
+        if len(launched) == 1:
+            finish(second, dev=0.6)
+            (second.run_dir / "stdout.log").write_text("the other driver's log\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(driver.subprocess, "run", run)
+    with pytest.raises(SystemExit) as stop:
+        driver.main()
+    out = capsys.readouterr().out
+    assert stop.value.code == 0 and len(launched) == 1 and f"hydra.run.dir='{first.run_dir}'" in " ".join(launched[0])
+    assert "zero_shot_cc lr=None seed=0: skipped, finished meanwhile" in out
+    assert (second.run_dir / "stdout.log").read_text() == "the other driver's log\n"
+    assert len((root / "results" / "runs" / "cpu_zo_claims" / "launches.csv").read_text().splitlines()) == 2

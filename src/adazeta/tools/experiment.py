@@ -220,6 +220,10 @@ def main() -> None:
                 print(f"# {job.arm}{where} lr={job.lr} seed={job.seed}: skipped, another run holds it ({owner})",
                       flush=True)
                 return 0
+            if job.done():  # another driver ended it after this phase was planned: its files are left as they are
+                print(f"# {job.arm}{where} lr={job.lr} seed={job.seed}: skipped, {status(job.run_dir)} meanwhile",
+                      flush=True)
+                return 0
             print("$ adazeta-run " + " ".join(shlex.quote(a) for a in cmd[3:]), flush=True)
             if args.dry:
                 return 0
