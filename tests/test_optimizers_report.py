@@ -292,6 +292,35 @@ def test_the_readme_verdicts_are_the_reports(wave, begin, end, arms, named):
     assert said and int(said.group(2)) == runs and reached == (1 if said.group(1) == "One" else 0)
 
 
+def test_the_readme_follow_up_verdicts_are_the_reports():
+    """The README's verdicts on cpu_zo_optimizers_recentred's predictions against its generated report: each (c)
+    difference it quotes with its verdict ("`tt_zo_adam` +1.5 [+0.3, +2.6] (confirmed)"), one per arm, the
+    reference's test interval, and the median shares it names."""
+    import re
+
+    name = f"{NAME}_recentred"
+    report = (ROOT / "results" / "tables" / f"{name}_report.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    section = re.sub(r"\s+", " ", readme[readme.index(f"### The follow-up: `experiment={name}`"):
+                                          readme.index("### How good is a ZO gradient here?")])
+    assert "Interim, seeds still to run" not in report
+    quoted = re.findall(r"`(tt_[a-z_0-9]+)` ([+-][0-9.]+ \[[+-][0-9.]+, [+-][0-9.]+\]) \((confirmed|refuted|unresolved)\)",
+                        section)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+            for line in report[report.index("## (c)"):report.index("## Reproduction")].splitlines()
+            if line.startswith("| tt_") and line.split("|")[2].strip() == "tt_zo_sgd"}
+    assert sorted(arm for arm, _, _ in quoted) == sorted(rows)  # every arm, once
+    for arm, interval, verdict in quoted:
+        assert (rows[arm][2], rows[arm][-1]) == (interval, verdict), arm
+    overview = next(line for line in report.splitlines() if line.startswith("| tt_zo_sgd | 3 / 0 of 3 |"))
+    assert f"(test {overview.split('|')[3].strip()})" in section
+    shares = {line.split("|")[1].strip(): line.split("|")[4].strip().split(" ")[0]
+              for line in report[report.index("## (a)"):report.index("## (b)")].splitlines()
+              if line.startswith("| tt_") and len(line.split("|")) == 6}
+    for label, arm in (("ZO-Adam", "tt_zo_adam"), ("ES", "tt_es"), ("sign", "tt_zo_sign")):
+        assert f"{shares[arm]} for {label}" in section, arm
+
+
 def test_hizoo_walks_zo_sgds_path_in_the_committed_runs():
     """The README's reading of HiZOO at the registered smoothing (a = 1e-8): on both adapters, at every seed, its dev
     loss at steps 100, 200 and 300 is within 0.0001 of ZO-SGD's at the same step, while it spends 3 forwards a step
