@@ -23,7 +23,8 @@ DEMO_ARGS ?= method=adazeta task=sst2 model=smollm2-135m method.adapter.init=ide
 
 .PHONY: help setup demo test test-fast dry-run tables figures cpu-convergence cpu-zo cpu-zo-report cpu-zo-claims \
         cpu-zo-claims-report cpu-zo-speed cpu-zo-speed-report cpu-zo-optimizers cpu-zo-optimizers-report grad-fidelity \
-        cpu-zo-optimizers-recentred cpu-zo-optimizers-recentred-report bench-memory bench bench-gpu bench-dist clean
+        cpu-zo-optimizers-recentred cpu-zo-optimizers-recentred-report cpu-zo-optimizers-lora-recentred \
+        cpu-zo-optimizers-lora-recentred-report bench-memory bench bench-gpu bench-dist clean
 
 help:
 	@echo "make setup      create $(VENV) and install adazeta with its test extras"
@@ -44,6 +45,8 @@ help:
 	@echo "make cpu-zo-optimizers-report  shares of ZO-SGD's forwards, the 0.75 goal, paired test accuracy"
 	@echo "make cpu-zo-optimizers-recentred  its follow-up: sign, Adam, ES grids at ZO-SGD's step, ZO-Muon at Q = 4"
 	@echo "make cpu-zo-optimizers-recentred-report  the follow-up's endpoints, its 5-point margin, its reproduction check"
+	@echo "make cpu-zo-optimizers-lora-recentred  the same re-centring for ZO-Adam and ES on LoRA"
+	@echo "make cpu-zo-optimizers-lora-recentred-report  its endpoints, its 5-point margin, its reproduction check"
 	@echo "make grad-fidelity    ZO estimate vs autograd gradient as Q grows, per method (about an hour on 1 core)"
 	@echo "make bench-memory     peak memory per method on SmolLM2, one batch of 16 SST-2 prompts (a few minutes)"
 	@echo "make bench      speed: forwards, ZO steps, every ZO method, scaling, eval throughput, memory (~25 min CPU)"
@@ -118,6 +121,13 @@ cpu-zo-optimizers-recentred: setup
 
 cpu-zo-optimizers-recentred-report: setup
 	$(BIN)/python -m adazeta.tools.optimizers_report cpu_zo_optimizers_recentred
+
+cpu-zo-optimizers-lora-recentred: setup
+	$(BIN)/python -m adazeta.tools.experiment cpu_zo_optimizers_lora_recentred --phase select --jobs 2 --threads 1 wandb.mode=offline
+	$(BIN)/python -m adazeta.tools.experiment cpu_zo_optimizers_lora_recentred --phase seeds --jobs 2 --threads 1 wandb.mode=offline
+
+cpu-zo-optimizers-lora-recentred-report: setup
+	$(BIN)/python -m adazeta.tools.optimizers_report cpu_zo_optimizers_lora_recentred
 
 grad-fidelity: setup
 	$(BIN)/python -m adazeta.tools.grad_fidelity
