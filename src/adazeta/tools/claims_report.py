@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from adazeta.tools import one_line_errors
+from adazeta.tools import one_line_errors, twins
 from adazeta import stats
 from adazeta.record import read_record
 from adazeta.tools.cpu_zo_report import read_csv
@@ -64,8 +64,7 @@ class Run:
 
     def code(self) -> str:
         """The commit the run ran from (7 characters), with ``+dirty`` where its tree had uncommitted changes."""
-        git = self.rec.get("git") or {}
-        return git.get("commit", "?")[:7] + ("+dirty" if git.get("dirty") else "")
+        return twins.commit(self.rec)
 
     def drift(self, until: float = math.inf) -> float:
         """Final / best dev loss over the run's evaluations (those up to step ``until``: the run as if it had

@@ -185,7 +185,7 @@ def reproduction(name: str, runs: dict[str, dict[int, Run]], chosen: dict[str, f
         for seed, run in sorted(runs.get(arm, {}).items()):
             lr = chosen[arm]
             here_dir, twin_dir = Job(arm, lr, seed, name, []).run_dir, Job(arm, lr, seed, other, []).run_dir
-            if load_run(arm, seed, twin_dir) is None:
+            if not Job(arm, lr, seed, other, []).done():
                 lines.append(f"| {arm} | {seed} | {lr:g} | {len(run.curve)} / {MISSING} | | | | {twins.cpu(run.rec)} "
                              f"/ {MISSING} | no twin |")
                 continue
