@@ -263,3 +263,95 @@ def test_a_run_another_driver_ended_after_the_plan_is_not_launched_again(root, m
     assert "zero_shot_cc lr=None seed=0: skipped, finished meanwhile" in out
     assert (second.run_dir / "stdout.log").read_text() == "the other driver's log\n"
     assert len((root / "results" / "runs" / "cpu_zo_claims" / "launches.csv").read_text().splitlines()) == 2
+
+
+# --- a task matrix: grids at some points, rates carried to the rest, arms on some tasks, budgets from a pilot ------
+
+MATRIX = {
+    "arms": {
+        "zo": {"overrides": ["method=mezo_lora"], "lr": [1e-3, 1e-4], "budgeted": True},
+        "full": {"overrides": ["method=mezo"], "lr": [1e-5, 1e-6], "budgeted": True, "only": {"task": ["sst2", "cb"]}},
+        "zs": {"overrides": ["method=zero_shot"], "seeds": [0]},
+    },
+    "design": {"grid": {"task": ["sst2", "rte", "cb"]}, "seeds": [0, 1], "select_at": {"task": ["sst2", "rte"]},
+               "budget": {"axis": "task", "pilots": {"sst2": "p/s/seed=*", "rte": "p/r", "cb": "p/c"},
+                          "share": 0.9, "floor": 400, "cap": 1000, "round_to": 200, "evals": 5}},
+}
+
+
+def pilot(root: Path, where: str, losses: dict[int, float], status: str = "finished", seed: int = 0):
+    """A pilot run at Q = 1 (2 forwards a step) with these dev losses by forward passes."""
+    run = root / "results" / "runs" / where
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "result.json").write_text(json.dumps({"status": status}))
+    (run / "eval.csv").write_text("step,split,loss,accuracy,tied\n" + "".join(
+        f"{f // 2},dev,{loss},0.5,0.0\n" for f, loss in losses.items()))
+    (run / "metrics.csv").write_text("step,forward_passes\n" + "".join(f"{s},{2 * s}\n" for s in range(1, 2000)))
+
+
+def test_the_budget_rule_takes_the_first_evaluation_past_the_share_of_the_pilots_drop(root):
+    from adazeta.experiments import budget_at
+
+    budget = design_of(MATRIX).budget
+    runs = root / "results" / "runs"
+    assert budget_at(budget, "rte", runs).forwards is None  # not run yet
+    pilot(root, "p/r", {0: 1.0, 200: 0.8, 400: 0.62, 600: 0.6, 800: 0.6, 1000: 0.6})  # 90 %: 0.64, made at 400
+    assert budget_at(budget, "rte", runs).forwards == 400
+    pilot(root, "p/c", {0: 1.0, 200: 1.0, 400: 0.999, 600: 1.0, 800: 1.0, 1000: 1.0})  # did not move: the cap
+    assert budget_at(budget, "cb", runs).forwards == 1000 and "did not move" in budget_at(budget, "cb", runs).why
+    # two pilot seeds are averaged: 90 % of (1.0 -> 0.5) is 0.55, which the mean reaches at 600 (0.5 at 1000)
+    pilot(root, "p/s/seed=0", {0: 1.0, 200: 0.9, 400: 0.7, 600: 0.5, 800: 0.5, 1000: 0.5, 1200: 0.1})
+    pilot(root, "p/s/seed=1", {0: 1.0, 200: 0.9, 400: 0.7, 600: 0.6, 800: 0.5, 1000: 0.5, 1200: 0.1}, "running")
+    assert budget_at(budget, "sst2", runs).forwards is None  # one seed still running
+    pilot(root, "p/s/seed=1", {0: 1.0, 200: 0.9, 400: 0.7, 600: 0.6, 800: 0.5, 1000: 0.5, 1200: 0.1})
+    sst2 = budget_at(budget, "sst2", runs)  # 1200 is past the cap: never looked at
+    assert sst2.forwards == 600 and sst2.curve[-1] == (1000, 0.5)
+    pilot(root, "p/r", {0: 1.0, 200: 0.2, 400: 9.0}, status="diverged")
+    assert budget_at(budget, "rte", runs).forwards == 1000  # a pilot that diverged within the cap: the cap
+    pilot(root, "p/r", {0: 1.0, 200: 0.2, 400: 0.2, 1000: 0.2, 1200: 9.0}, status="diverged")
+    assert budget_at(budget, "rte", runs).forwards == 400  # ... after it: its curve up to the cap counts
+
+
+def test_a_matrix_runs_grids_at_the_selection_points_and_carries_the_rate_to_the_others(root):
+    design = design_of(MATRIX)
+    waiting = driver.plan("m", design, "select", None)  # no pilot has ended: only the arms without a budget start
+    assert [(j.arm, dict(j.point)["task"]) for j in waiting] == [("zs", "sst2"), ("zs", "rte")]
+    pilot(root, "p/s/seed=0", {0: 1.0, 200: 0.5, 1000: 0.5})
+    pilot(root, "p/r", {0: 1.0, 200: 0.9, 400: 0.8, 600: 0.7, 800: 0.6, 1000: 0.5})
+    select = driver.plan("m", design, "select", None)
+    assert [(j.arm, dict(j.point)["task"], j.lr) for j in select] == [
+        ("zo", "sst2", 1e-3), ("full", "sst2", 1e-5), ("zs", "sst2", None), ("zo", "sst2", 1e-4), ("full", "sst2", 1e-6),
+        ("zo", "rte", 1e-3), ("zs", "rte", None), ("zo", "rte", 1e-4)]  # full runs at sst2 and cb only; no grid at cb
+    assert "train.max_forward_passes=400" in select[0].overrides  # the floor
+    assert "train.eval_every_forwards=200" in driver.command("m", select[-1], [])  # rte: 1000 forwards, 5 evaluations
+    assert not any("max_forward_passes" in o for o in select[2].overrides)  # zero-shot has no budget
+    runs = {(j.arm, dict(j.point)["task"], j.lr): j for j in select}
+    finish(runs["zo", "sst2", 1e-3], dev=0.80)  # mean over sst2 and rte: 1e-3 0.65, 1e-4 0.70: 1e-4 is carried
+    finish(runs["zo", "sst2", 1e-4], dev=0.70)
+    finish(runs["zo", "rte", 1e-3], dev=0.50)
+    assert not [j for j in driver.plan("m", design, "seeds", None) if j.arm == "zo" and dict(j.point)["task"] == "cb"]
+    finish(runs["zo", "rte", 1e-4], dev=0.70)
+    finish(runs["full", "sst2", 1e-5], dev=0.6)
+    finish(runs["full", "sst2", 1e-6], dev=0.6, dev_loss=0.4)  # a tie on accuracy: the lower loss
+    seeds = driver.plan("m", design, "seeds", None)
+    got = sorted((j.arm, dict(j.point)["task"], j.lr, j.seed) for j in seeds if j.arm != "zs")
+    assert got == [("full", "sst2", 1e-6, 1),  # cb: its pilot has not run, so no budget there yet
+                   ("zo", "rte", 1e-4, 1), ("zo", "sst2", 1e-3, 1)]  # at a grid point its own choice
+    pilot(root, "p/c", {0: 1.0, 1000: 0.5})
+    seeds = driver.plan("m", design, "seeds", None)
+    cb = sorted((j.arm, j.lr, j.seed) for j in seeds if dict(j.point)["task"] == "cb")
+    assert cb == [("full", 1e-6, 0), ("full", 1e-6, 1), ("zo", 1e-4, 0), ("zo", 1e-4, 1), ("zs", None, 0)]
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"only": ["sst2"]}, r"arms.zo.only must map a grid axis"),
+    ({"budget": {"axis": "task"}}, r"design.budget needs `pilots:`"),
+    ({"budget": {"pilots": {"rte": "p"}, "cap": 100, "floor": 400}}, r"floor <= cap"),
+    ({"budget": {"pilots": {"rte": "p"}, "axis": "model"}}, r"budget.axis is 'model', which design.grid does not"),
+    ({"budget": {"pilots": {"rte": "p"}, "shares": 1}}, r"budget has unknown key.*shares"),
+])
+def test_a_bad_matrix_schema_is_one_line_naming_the_key(change, message):
+    arms = {"zo": {"overrides": ["method=mezo"], "lr": [1e-3], **({"only": change["only"]} if "only" in change else {})}}
+    design = {"grid": {"task": ["rte"]}, **({"budget": change["budget"]} if "budget" in change else {})}
+    with pytest.raises(ConfigError, match=message):
+        design_of({"arms": arms, "design": design}, "t")

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from adazeta.errors import ConfigError
-from adazeta.experiments import Arm, Design, compose_experiment, design_of
+from adazeta.experiments import Arm, Design, budget_at, compose_experiment, design_of
 from adazeta.tools.offline import use_shared
 from adazeta.record import ENDED, main_score
 from adazeta.results import git_state
@@ -95,6 +95,36 @@ def chosen_lr(name: str, arm: Arm, seed: int, point: tuple = ()) -> float | None
     return min(results)[3]
 
 
+def carried_lr(name: str, design: Design, arm: Arm) -> float | None | object:
+    """The lr of ``arm`` chosen over the selection points (``design.select_at``) where it runs: the best mean dev
+    accuracy over them at the selection seed (ties: the lower mean dev loss); UNDECIDED until each has ended."""
+    if len(arm.lrs) == 1:
+        return arm.lrs[0]
+    points = [tuple(p.items()) for p in design.points() if design.selects_at(p) and arm.runs_at_point(p)]
+    if not points:
+        return UNDECIDED
+    scores = []
+    for i, lr in enumerate(arm.lrs):
+        records = [record(Job(arm.name, lr, design.select_seed, name, [], point).run_dir) for point in points]
+        if any(r is None or r.get("status") not in ENDED for r in records):
+            return UNDECIDED
+        dev = [main_score(r, "dev") for r in records]  # type: ignore[union-attr]
+        loss = [r["dev_loss"] for r in records]  # type: ignore[index]
+        scores.append((-sum(dev) / len(dev), sum(loss) / len(loss), i, lr))
+    return min(scores)[3]
+
+
+def budget_overrides(design: Design, arm: Arm, point: tuple) -> list[str] | None:
+    """The forward budget of a budgeted arm at this point, as overrides; None while its pilot is running."""
+    if design.budget is None or not arm.budgeted:
+        return []
+    b = budget_at(design.budget, dict(point).get(design.budget.axis), runs_dir())
+    if b.forwards is None:
+        return None
+    return [f"train.max_forward_passes={b.forwards}",
+            f"train.eval_every_forwards={max(1, b.forwards // design.budget.evals)}"]
+
+
 def plan(name: str, design: Design, phase: str, arms: list[str] | None = None) -> list[Job]:
     """The runs of ``phase`` (select, seeds, stress or all), in run order: grid points interleaved across arms
     (every arm's grid fills in at the same pace), seed-major within a phase, at every point of the design grid."""
@@ -111,30 +141,41 @@ def plan(name: str, design: Design, phase: str, arms: list[str] | None = None) -
 
 
 def _plan_point(name: str, design: Design, phase: str, order: list[str], point: tuple) -> list[Job]:
-    arms, select_seed = design.arms, design.select_seed
+    select_seed, selecting = design.select_seed, design.selects_at(dict(point))
+    where = ",".join(f"{k}={v}" for k, v in point)
+    arms: dict[str, Arm] = {a: design.arms[a] for a in order if design.arms[a].runs_at_point(dict(point))}
+    budgets: dict[str, list[str]] = {}
+    for a, arm in arms.items():
+        extra = budget_overrides(design, arm, point)
+        if extra is None:
+            print(f"# {phase}: {a}{' at ' + where if where else ''}: no forward budget yet (its pilot has not "
+                  "ended)", flush=True)
+        else:
+            budgets[a] = extra
+    order = [a for a in order if a in budgets]
 
     def job(arm: Arm, lr: float | None, seed: int, experiment: str = name) -> Job:
-        return Job(arm.name, lr, seed, experiment, list(arm.overrides), point)
+        return Job(arm.name, lr, seed, experiment, [*arm.overrides, *budgets[arm.name]], point)
 
     jobs: list[Job] = []
-    if phase in ("select", "all"):
+    if phase in ("select", "all") and selecting and order:
         for i in range(max(len(arms[a].lrs) for a in order)):
             jobs += [job(arms[a], arms[a].lrs[i], select_seed) for a in order
                      if i < len(arms[a].lrs) and arms[a].runs_at(select_seed)]
     chosen: dict[str, float | None] = {}
     if phase in ("seeds", "stress", "all"):
         for a in order:
-            lr = chosen_lr(name, arms[a], select_seed, point)
+            lr = (chosen_lr(name, arms[a], select_seed, point) if selecting
+                  else carried_lr(name, design, arms[a]))
             if lr is UNDECIDED:
-                where = ",".join(f"{k}={v}" for k, v in point)
                 print(f"# {phase}: {a}{' at ' + where if where else ''}: no lr chosen yet (its grid has not finished, "
                       "or every run diverged)", flush=True)
             else:
                 chosen[a] = lr  # type: ignore[assignment]
     if phase in ("seeds", "all"):
-        for seed in design.seeds:
+        for seed in design.seeds:  # where no grid ran, the selection seed runs here too
             jobs += [job(arms[a], lr, seed) for a, lr in chosen.items()
-                     if seed != select_seed and arms[a].runs_at(seed)]
+                     if (seed != select_seed or not selecting) and arms[a].runs_at(seed)]
     if phase in ("stress", "all"):
         for factor in design.stress:
             for a, lr in chosen.items():
