@@ -147,8 +147,8 @@ def test_selection_uses_dev_never_test_and_aggregates_seeds(tmp_path):
     half_a = t1 * (0.1 / 2**0.5) / 2**0.5  # 0.60 and 0.70
     half_m = t1 * (0.2 / 2**0.5) / 2**0.5  # 0.5 and 0.7
     # two seeds' t intervals reach past 100 (and below 0): clipped to the range of an accuracy
-    cell_a = f"65.0 [{65 - 100 * half_a:.1f}, 100.0] n=2"
-    cell_m = f"60.0 [{max(0.0, 60 - 100 * half_m):.1f}, 100.0] n=2 †1"
+    cell_a = f"65.0 [{65 - 100 * half_a:.1f}, 100.0]t n=2"  # no predictions kept: t over the seeds, marked
+    cell_m = f"60.0 [{max(0.0, 60 - 100 * half_m):.1f}, 100.0]t n=2 †1"
     expected = pd.DataFrame(
         [
             {"method": "adazeta", "rte": cell_a, "rte (paper)": "74.0ᵃ", "paper sources": "ᵃ"},
@@ -159,8 +159,8 @@ def test_selection_uses_dev_never_test_and_aggregates_seeds(tmp_path):
     pd.testing.assert_frame_equal(table.cells, expected)
     markdown = to_markdown(table)
     assert f"| adazeta | {cell_a} | 74.0ᵃ | ᵃ |" in markdown
-    assert ("- Ours: test mean of the setting selected on dev [95 % Student-t interval over its seeds, clipped to "
-            "the metric's range]") in markdown
+    assert ("- Ours: test mean of the setting selected on dev [95 % interval that resamples seeds, then test "
+            "examples within each") in markdown
     assert "- ᵃ Paper A, Table 2, m: confirmed\n" in markdown
     latex = to_latex(table, "caption")
     assert r"n=2 $^\dagger$1" in latex and r"74.0$^{\mathrm{a}}$" in latex
@@ -192,22 +192,24 @@ def test_the_best_is_bold_only_where_its_interval_clears_every_other_and_version
     assert cells.loc[0, "rte"].endswith("n=3 ‡")
 
 
-def test_a_cell_with_predictions_gets_an_interval_over_examples(tmp_path):
+def test_a_cell_with_predictions_gets_an_interval_over_seeds_and_examples(tmp_path):
     import numpy as np
 
     rng = np.random.default_rng(0)
-    for seed in range(2):
+    for seed, accuracy in enumerate([0.70, 0.80]):  # two seeds 10 points apart
         write_result(tmp_path, "ft", seed, 1e-5, 0.8, 0.0)
-        correct = (rng.random(400) < 0.75).astype(int)
+        correct = (rng.random(400) < accuracy).astype(int)
         (tmp_path / f"ft-lr1e-05-s{seed}" / "predictions").mkdir()
         lines = ["index,row,gold,pred,correct,score_0,score_1"] + [f"{i},{i},1,{c},{c},0,1" for i, c in enumerate(correct)]
         (tmp_path / f"ft-lr1e-05-s{seed}" / "predictions" / "test.csv").write_text("\n".join(lines) + "\n")
     selected = select_on_dev(load_results([tmp_path]))
-    lo, hi = selected.loc[0, "test_boot_lo"], selected.loc[0, "test_boot_hi"]
-    assert 0.68 < lo < 0.75 < hi < 0.82
+    lo, hi = selected.loc[0, "test_lo"], selected.loc[0, "test_hi"]
+    assert selected.loc[0, "interval"] == "seeds+examples"
+    # the seeds' spread is in the interval: wider than the examples-only bootstrap, which holds them fixed
+    assert lo < selected.loc[0, "test_boot_lo"] < 0.75 < selected.loc[0, "test_boot_hi"] < hi
     cell = build_table(selected, load_paper_numbers(write_paper(tmp_path / "p.csv", "gx,m,rte,mezo,1.0,,accuracy,P,T,yes,")),
                        "fx", ["ft"], ["rte"]).cells.loc[0, "rte"]
-    assert f"(ex. {100 * lo:.1f}-{100 * hi:.1f})" in cell
+    assert cell.startswith(f"{100 * selected.loc[0, 'test_mean']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}] n=2")
 
 
 def test_every_paper_number_is_marked_with_its_source_and_mixed_rows_say_so(tmp_path):

@@ -85,3 +85,56 @@ def test_exact_count_tests():
     assert stats.sign_test(3, 4) == pytest.approx(5 / 16)
     assert stats.fisher_less(0, 4, 4, 4) == pytest.approx(1 / 70)
     assert stats.fisher_less(2, 4, 2, 4) > 0.5
+
+
+def _runs(seed_means, n=800, seed=0):
+    """0/1 correctness of several seeds on the same n examples, each seed at its own accuracy: every arm and seed
+    finds the same examples easy (as runs of one model on one test set do), up to a little noise of its own."""
+    easy = np.random.default_rng(0).random(n)
+    rng = np.random.default_rng(seed)
+    return np.array([((easy + rng.normal(0, 0.02, n)) < m).astype(float) for m in seed_means])
+
+
+def test_the_hierarchical_interval_holds_seed_to_seed_variance_the_example_bootstrap_leaves_out():
+    spread = _runs([0.70, 0.78, 0.62, 0.74])  # seeds 16 points apart
+    example_only = stats.bootstrap_interval(spread, n_boot=4000)
+    both = stats.hierarchical_interval(spread, n_boot=4000)
+    assert both.mean == pytest.approx(spread.mean()) and both.n == 4
+    assert both.lo < example_only.lo and both.hi > example_only.hi
+    assert (both.hi - both.lo) > 1.5 * (example_only.hi - example_only.lo)
+    # one seed: examples only, as the example bootstrap (up to resampling noise)
+    one = stats.hierarchical_interval(spread[:1], n_boot=4000)
+    alone = stats.bootstrap_interval(spread[:1], n_boot=4000)
+    assert one.lo == pytest.approx(alone.lo, abs=0.01) and one.hi == pytest.approx(alone.hi, abs=0.01)
+    # seeded: the same numbers every time; a constant score has no width
+    assert stats.hierarchical_interval(spread, n_boot=500, seed=3) == stats.hierarchical_interval(spread, 500, 3)
+    flat = stats.hierarchical_interval(np.ones((3, 50)), n_boot=200)
+    assert (flat.lo, flat.hi) == (1.0, 1.0)
+
+
+def test_a_difference_that_two_seed_sets_disagree_on_is_not_called_by_the_seed_respecting_test():
+    """Two arms at the same accuracy on average, whose seeds happen to fall apart: the per-example paired bootstrap
+    (seeds held fixed) calls a difference, the hierarchical one does not."""
+    a = _runs([0.82, 0.70], seed=1)  # its seeds 12 points apart; on average 3 above b
+    b = _runs([0.73, 0.73], seed=2)
+    fixed = stats.paired_bootstrap(a, b, n_boot=4000)  # the seeds held fixed: "a is better"
+    assert fixed.lo > 0
+    both = stats.hierarchical_difference(a, b, n_boot=4000)
+    assert both.diff == pytest.approx(fixed.diff)
+    assert both.lo < 0 < both.hi and both.p > 0.05
+    # a real difference, seed after seed, is still called
+    c = _runs([0.85, 0.86, 0.84, 0.85], seed=3)
+    assert stats.hierarchical_difference(c, b, n_boot=4000).lo > 0.05
+    with pytest.raises(ValueError, match="different examples"):
+        stats.hierarchical_difference(c, b[:, :10])
+
+
+def test_the_pooled_difference_resamples_tasks_above_seeds_and_examples():
+    b = _runs([0.70, 0.70, 0.70], seed=4)
+    up = _runs([0.80, 0.81, 0.79], seed=5)
+    down = _runs([0.60, 0.61, 0.59], seed=6)
+    consistent = stats.pooled_difference([(up, b), (up, b), (up, b)], n_boot=2000)
+    assert consistent.n == 3 and consistent.lo > 0.05
+    split = stats.pooled_difference([(up, b), (down, b), (up, b), (down, b)], n_boot=2000)
+    assert split.lo < 0 < split.hi  # two tasks up, two down: no pooled verdict
+    assert split.diff == pytest.approx(np.mean([up.mean() - b.mean(), down.mean() - b.mean()] * 2))

@@ -5,7 +5,11 @@ paired tests between two arms evaluated on the same examples.
 - ``bootstrap_interval``: the mean of per-example scores (seeds x examples) with a percentile interval from
   resampling examples, the same resample for every seed;
 - ``paired_bootstrap``: the difference of two arms' means on the same examples (seeds x examples each), with its
-  interval and a two-sided p-value from resampling examples jointly (Koehn 2004; Dror et al. 2018);
+  interval and a two-sided p-value from resampling examples jointly (Koehn 2004; Dror et al. 2018). It holds the
+  seeds fixed: its interval is conditional on the seeds that ran;
+- ``hierarchical_interval`` and ``hierarchical_difference``: the same means with intervals that resample seeds,
+  then examples (a two-level bootstrap), so that seed-to-seed variance is in them; ``pooled_difference`` adds a
+  level above, tasks, for a comparison over several tasks;
 - ``mcnemar``: McNemar's exact test on the discordant pairs, pooled over seeds;
 - ``sign_flip``: the exact paired permutation test on seed-wise differences (all 2^n sign assignments);
 - ``sign_test`` and ``fisher_less``: exact one-sided tests for the pre-registered count endpoints.
@@ -109,6 +113,72 @@ def paired_bootstrap(a: np.ndarray | Sequence, b: np.ndarray | Sequence, n_boot:
     lo, hi = np.quantile(means, [(1 - confidence) / 2, (1 + confidence) / 2])
     below, above = (np.sum(means <= 0) + 1) / (n_boot + 1), (np.sum(means >= 0) + 1) / (n_boot + 1)
     return Paired(float(d.mean()), float(lo), float(hi), float(min(1.0, 2 * min(below, above))), len(d))
+
+
+def _seed_example_means(m: np.ndarray, n_boot: int, rng: np.random.Generator, shared: np.ndarray | None = None,
+                        chunk: int = 256) -> np.ndarray:
+    """``n_boot`` two-level resample means of a seeds x examples matrix: seeds with replacement, then examples with
+    replacement within each drawn seed (``shared``: the same (n_boot, examples) example draw for every seed)."""
+    n_s, n_e = m.shape
+    out = np.empty(n_boot)
+    for start in range(0, n_boot, chunk):
+        b = min(chunk, n_boot - start)
+        seeds = rng.integers(0, n_s, size=(b, n_s))
+        if shared is None:
+            examples = rng.integers(0, n_e, size=(b, n_s, n_e))
+        else:
+            examples = np.broadcast_to(shared[start:start + b, None, :], (b, n_s, n_e))
+        out[start:start + b] = m[seeds[:, :, None], examples].mean(axis=(1, 2))
+    return out
+
+
+def hierarchical_interval(scores: np.ndarray | Sequence, n_boot: int = 10000, seed: int = 0,
+                          confidence: float = CONFIDENCE) -> Interval:
+    """Mean of per-example ``scores`` (seeds x examples) with a two-level percentile bootstrap interval: each
+    resample draws the seeds with replacement, then the examples with replacement within each drawn seed, so the
+    interval holds both seed-to-seed and example variance (one seed: examples only). ``n`` is the number of seeds."""
+    m = _as_matrix(scores)
+    means = _seed_example_means(m, n_boot, np.random.default_rng(seed))
+    lo, hi = np.quantile(means, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return Interval(float(m.mean()), float(lo), float(hi), m.shape[0])
+
+
+def _difference_draws(a: np.ndarray, b: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"the arms were scored on different examples ({a.shape[1]} vs {b.shape[1]})")
+    shared = rng.integers(0, a.shape[1], size=(n_boot, a.shape[1]))
+    return _seed_example_means(a, n_boot, rng, shared) - _seed_example_means(b, n_boot, rng, shared)
+
+
+def _p_two_sided(draws: np.ndarray) -> float:
+    n = len(draws)
+    below, above = (np.sum(draws <= 0) + 1) / (n + 1), (np.sum(draws >= 0) + 1) / (n + 1)
+    return float(min(1.0, 2 * min(below, above)))
+
+
+def hierarchical_difference(a: np.ndarray | Sequence, b: np.ndarray | Sequence, n_boot: int = 10000, seed: int = 0,
+                            confidence: float = CONFIDENCE) -> Paired:
+    """mean(a) - mean(b) for two arms scored on the same examples (seeds x examples each; seeds need not pair up),
+    with an interval that resamples each arm's seeds independently and the examples jointly (the same example
+    draw for both arms and all their seeds), and the two-sided bootstrap p of ``paired_bootstrap``."""
+    x, y = _as_matrix(a), _as_matrix(b)
+    draws = _difference_draws(x, y, n_boot, np.random.default_rng(seed))
+    lo, hi = np.quantile(draws, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return Paired(float(x.mean() - y.mean()), float(lo), float(hi), _p_two_sided(draws), x.shape[1])
+
+
+def pooled_difference(pairs: Sequence[tuple[np.ndarray, np.ndarray]], n_boot: int = 10000, seed: int = 0,
+                      confidence: float = CONFIDENCE) -> Paired:
+    """The mean over tasks of mean(a) - mean(b), one (a, b) pair of seeds x examples matrices per task, with a
+    three-level bootstrap: tasks with replacement, then within each task ``hierarchical_difference``'s draw. ``n``
+    is the number of tasks. Pair it with ``sign_flip`` over the tasks' differences for an exact test."""
+    rng = np.random.default_rng(seed)
+    per_task = np.stack([_difference_draws(_as_matrix(a), _as_matrix(b), n_boot, rng) for a, b in pairs])
+    picks = rng.integers(0, len(pairs), size=(n_boot, len(pairs)))
+    draws = per_task[picks, np.arange(n_boot)[:, None]].mean(axis=1)
+    lo, hi = np.quantile(draws, [(1 - confidence) / 2, (1 + confidence) / 2])
+    diff = float(np.mean([_as_matrix(a).mean() - _as_matrix(b).mean() for a, b in pairs]))
+    return Paired(diff, float(lo), float(hi), _p_two_sided(draws), len(pairs))
 
 
 @dataclass(frozen=True)

@@ -133,16 +133,21 @@ def select_on_dev(results: pd.DataFrame) -> pd.DataFrame:
 
 
 def _intervals(chosen: pd.DataFrame) -> dict[str, Any]:
-    """95 % intervals of a cell's test metric: Student t over its seeds, and a bootstrap over test examples
-    (pooled over seeds) where every run kept its per-example predictions on the same examples; its code versions."""
+    """95 % intervals of a cell's test metric and its code versions. Where every run kept its per-example
+    predictions on the same examples, the headline interval (test_lo, test_hi) resamples seeds, then examples
+    within them (``stats.hierarchical_interval``), and test_boot_* is the examples-only bootstrap (seeds held
+    fixed); otherwise the headline is the Student-t interval over seeds (``interval`` says which)."""
     t = stats.t_interval(list(chosen["test"]), bounds=(0.0, 1.0))
     boot = stats.Interval(float("nan"), float("nan"), float("nan"), 0)
+    lo, hi, kind = t.lo, t.hi, "t"
     matrix = _test_correctness(list(chosen["path"]))
     if matrix is not None:
         boot = stats.bootstrap_interval(matrix, n_boot=2000, seed=0)
+        both = stats.hierarchical_interval(matrix, n_boot=2000, seed=0)
+        lo, hi, kind = both.lo, both.hi, "seeds+examples"
     commits = sorted({str(c)[:7] for c in chosen["commit"] if c})
-    return {"test_lo": t.lo, "test_hi": t.hi, "test_boot_lo": boot.lo, "test_boot_hi": boot.hi,
-            "commits": " ".join(commits)}
+    return {"test_lo": lo, "test_hi": hi, "interval": kind, "test_t_lo": t.lo, "test_t_hi": t.hi,
+            "test_boot_lo": boot.lo, "test_boot_hi": boot.hi, "commits": " ".join(commits)}
 
 
 def _test_correctness(paths: list[str]) -> "np.ndarray | None":
@@ -262,11 +267,12 @@ class Table:
     sources: list[Source]
 
     def legend(self) -> list[str]:
-        lines = ["Ours: test mean of the setting selected on dev [95 % Student-t interval over its seeds, "
-                 "clipped to the metric's range] (ex.: 95 % "
-                 "bootstrap interval over test examples, pooled over seeds, where runs kept their predictions); n: runs "
-                 "(seeds); †n: n of them diverged; ‡: its runs come from more than one code version; **bold**: the "
-                 "best mean of its column, only where its interval lies above every other method's; —: no result."]
+        lines = ["Ours: test mean of the setting selected on dev [95 % interval that resamples seeds, then test "
+                 "examples within each (a two-level bootstrap), where every run kept its predictions; marked t: a "
+                 "Student-t interval over the seeds alone, clipped to the metric's range, where they did not]; n: "
+                 "runs (seeds); †n: n of them diverged; ‡: its runs come from more than one code version; **bold**: "
+                 "the best mean of its column, only where its interval lies above every other method's; —: no "
+                 "result."]
         if not self.sources:
             return lines + ["No published numbers for this experiment."]
         lines.append("(paper): the published value (its std where the source gives one); the mark names where it "
@@ -275,16 +281,14 @@ class Table:
 
 
 def _cell(r: Any, bold: bool = False) -> str:
-    """``mean [t interval over seeds] (examples: bootstrap interval) n=runs †diverged ‡``, the mean in bold
+    """``mean [interval] n=runs †diverged ‡`` (``_intervals``: seeds then examples, or ``[..]t`` over seeds), the mean in bold
     when the column's ranking supports it (``_supported_best``)."""
     mean = r["test_mean"]
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
         return MISSING
     text = f"**{100 * mean:.1f}**" if bold else f"{100 * mean:.1f}"
     if not math.isnan(r.get("test_lo", math.nan)):
-        text += f" [{100 * r['test_lo']:.1f}, {100 * r['test_hi']:.1f}]"
-    if not math.isnan(r.get("test_boot_lo", math.nan)):
-        text += f" (ex. {100 * r['test_boot_lo']:.1f}-{100 * r['test_boot_hi']:.1f})"
+        text += f" [{100 * r['test_lo']:.1f}, {100 * r['test_hi']:.1f}]" + ("t" if r.get("interval") == "t" else "")
     text += f" n={int(r['runs'])}"
     if r["diverged"]:
         text += f" †{int(r['diverged'])}"
