@@ -44,6 +44,12 @@ def test_each_method_runs_and_writes_its_files(method, fixture_data, tmp_path):
     saved = json.loads((tmp_path / "result.json").read_text())
     assert RESULT_KEYS <= set(saved)
     assert 0.0 <= saved["test_accuracy"] <= 1.0 and saved["config"]["method"]["name"] == method
+    # the CPU it ran on, with the instruction sets its speed turns on (one model name can hide two CPUs)
+    from adazeta.results import CPU_FEATURES, cpu_label
+    flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split())
+    assert saved["device"]["cpu_features"] == [f for f in CPU_FEATURES if f in flags]
+    assert cpu_label(saved["device"]).endswith("(AMX)" if "amx_bf16" in flags else "(no AMX)")
+    assert cpu_label({"type": "cpu", "name": "AMD EPYC"}) == "AMD EPYC"  # an older record: the name alone
     if method in ("adazeta", "mezo", "mezo_lora"):
         # central differences: 2 forwards per query, cumulative
         assert [int(r["forward_passes"]) for r in metrics] == [2, 4, 6, 8]

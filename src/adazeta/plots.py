@@ -122,6 +122,10 @@ def read_run(run_dir: Path) -> dict:
     spent = dict(zip(metrics["step"], metrics["forward_passes"]))
     spent[0] = 0
     dev["forward_passes"] = dev["step"].map(spent)
+    # training time by then: the steps' own seconds, without evaluations (what equal-time comparisons read)
+    elapsed = dict(zip(metrics["step"], metrics["step_time_s"].cumsum())) if "step_time_s" in metrics else {}
+    elapsed[0] = 0.0
+    dev["wall_time_s"] = dev["step"].map(elapsed)
     return {"record": record, "metrics": metrics, "dev": dev}
 
 
@@ -177,6 +181,32 @@ def convergence_figure(runs: list[dict], task: str, x: str = "forward_passes", o
     cut = "; ^ = cut at the top" if limits is not None else ""
     ax.set_title(f"{task}\ndev loss, mean ± std over seeds (x = diverged run{cut})", fontsize=10)
     ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    if out is not None:
+        save_figure(fig, out)
+    return fig
+
+
+def matrix_figure(runs: list[dict], title: str, out: Path | None = None) -> plt.Figure:
+    """Dev loss of every arm at one task, against forward passes (left) and against training wall time (right):
+    the mean over seeds of each arm's dev-selected setting, a thin line per seed; x marks a diverged run's end."""
+    fig, axes = plt.subplots(1, 2, figsize=(11.0, 4.0), sharey=True)
+    methods = sorted({r["record"]["method"] for r in runs if len(r["dev"]) > 1})
+    colors = method_colors(methods)
+    for ax, x, label in ((axes[0], "forward_passes", "forward passes"), (axes[1], "wall_time_s", "training time (s)")):
+        for method in methods:
+            curves = [r for r in runs if r["record"]["method"] == method and len(r["dev"]) > 1]
+            for r in curves:
+                ax.plot(r["dev"][x], r["dev"]["loss"], color=colors[method], alpha=0.3, linewidth=0.8)
+                if r["record"].get("status") == "diverged":
+                    ax.plot(r["dev"][x].iloc[-1], r["dev"]["loss"].iloc[-1], "x", color=colors[method])
+            grid = np.linspace(0, max(c["dev"][x].max() for c in curves), 100)
+            mean, _ = _band([c["dev"] for c in curves], x, grid)
+            ax.plot(grid, mean, color=colors[method], label=f"{method} (n={len(curves)})", linewidth=1.8)
+        ax.set_xlabel(label)
+    axes[0].set_ylabel("dev loss")
+    axes[1].legend(loc="upper right", fontsize=7)
+    fig.suptitle(f"{title}: dev loss, each arm's chosen setting (thin: seeds; x: diverged)", fontsize=10)
     fig.tight_layout()
     if out is not None:
         save_figure(fig, out)

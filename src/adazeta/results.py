@@ -58,7 +58,36 @@ def device_info(device: torch.device) -> dict[str, Any]:
         info["cuda"] = torch.version.cuda
     else:
         info["name"] = cpu_name()
+        info["cpu_features"] = cpu_features()
     return info
+
+
+# The instruction sets a CPU forward's speed turns on (bf16 and int8 matrix units, wide vectors); two CPUs with one
+# model name ("Intel(R) Xeon(R) Processor") can differ in them, so a run records which it had.
+CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_features() -> list[str]:
+    """Which of ``CPU_FEATURES`` this CPU has (/proc/cpuinfo's flags; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [feature for feature in CPU_FEATURES if feature in flags]
+    except OSError:
+        pass
+    return []
+
+
+def cpu_label(device: dict[str, Any] | None) -> str:
+    """A run's CPU as reports name it: its model name, and whether it had AMX where the record says."""
+    device = device or {}
+    name = str(device.get("name") or "unknown CPU")
+    features = device.get("cpu_features")
+    if features is None or device.get("type", "cpu") != "cpu":
+        return name
+    return f"{name} ({'AMX' if 'amx_bf16' in features else 'no AMX'})"
 
 
 def cpu_name() -> str:

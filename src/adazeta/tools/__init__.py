@@ -12,6 +12,7 @@ Drivers (launch runs through ``adazeta-run``):
 Reports (read result files, write tables and figures):
     make_tables        results/tables from results/runs, dev-selected, the paper's numbers beside (make tables)
     make_figures       convergence curves, memory bars, one run's curves (make figures)
+    matrix_report      a task-matrix experiment's table, endpoints, budgets, cost and figures (make tables)
     cpu_zo_report      the cpu_zo experiment's table, figures and verdicts (make cpu-zo-report)
     claims_report      a pre-registered claims experiment's endpoints and verdicts (make cpu-zo-claims-report)
     optimizers_report  the pre-registered ZO optimizer comparison's endpoints (make cpu-zo-optimizers-report)

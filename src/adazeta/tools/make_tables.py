@@ -18,6 +18,7 @@ from adazeta.paths import config_dir
 from adazeta.errors import ConfigError
 from adazeta.experiments import compose_experiment, design_of
 from adazeta.tables import build_table, load_paper_numbers, load_results, select_on_dev, to_latex, to_markdown
+from adazeta.tools.matrix_report import report
 
 
 def experiment_axes(name: str) -> tuple[list[str] | None, list[str] | None]:
@@ -34,11 +35,25 @@ def experiment_axes(name: str) -> tuple[list[str] | None, list[str] | None]:
     return (None if None in methods else methods), ([str(t) for t in tasks] if tasks else None)
 
 
+def matrix_experiments() -> list[str]:
+    """The experiments whose config declares task-matrix endpoints (``endpoints.kind: matrix``)."""
+    import yaml
+
+    names = []
+    for path in sorted((Path(config_dir()) / "experiment").glob("*.yaml")):
+        endpoints = (yaml.safe_load(path.read_text()) or {}).get("endpoints") or {}
+        if isinstance(endpoints, dict) and endpoints.get("kind") == "matrix":
+            names.append(path.stem)
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", nargs="+", type=Path, default=[Path("results", "runs")])
     parser.add_argument("--paper", type=Path, default=Path("results", "paper_numbers.csv"))
     parser.add_argument("--out", type=Path, default=Path("results", "tables"))
+    parser.add_argument("--figures", type=Path, default=Path("results", "figures"),
+                        help="where a task-matrix experiment's figure per task goes")
     args = parser.parse_args()
 
     try:
@@ -60,6 +75,10 @@ def main() -> None:
         (args.out / f"{name}.tex").write_text(to_latex(table, caption))
         print(f"{name}: {len(table.cells)} methods, {len(table.sources)} sources of published numbers "
               f"-> {args.out / name}.md/.tex")
+    for name in matrix_experiments():  # their table beside the paper's numbers, and their report, even if empty
+        root = next((r for r in args.results if (r / name).is_dir()), args.results[0])
+        report(name, root, args.paper, args.out, args.figures)
+        print(f"{name}: task matrix -> {args.out / name}.md/.tex, {args.out / name}_report.md")
     if len(selected):
         selected.to_csv(args.out / "selected.csv", index=False)
     print(f"{len(results)} result files, {len(selected)} selected cells")
