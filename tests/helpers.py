@@ -111,3 +111,13 @@ def signal_at_step(monkeypatch, step: int, signum: int = signal.SIGTERM, times: 
                 os.kill(os.getpid(), signum)
 
     monkeypatch.setattr(Tracker, "log_step", log_and_signal)
+
+
+STUDY_ORDER = ["cpu_zo", "cpu_zo_claims", "cpu_zo_speed", "cpu_zo_optimizers", "cpu_zo_optimizers_recentred",
+               "cpu_zo_optimizers_lora_recentred", "grad_fidelity"]
+
+
+def study_pages() -> str:
+    """The studies' pages (studies/<name>/README.md) one after the other: what the tests hold to the reports."""
+    root = Path(__file__).resolve().parents[1] / "studies"
+    return "\n".join((root / name / "README.md").read_text() for name in STUDY_ORDER)

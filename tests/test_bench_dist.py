@@ -1,4 +1,4 @@
-"""make bench-dist on a tiny model: 1 and 2 processes, queries per second and the all-reduce's share."""
+"""make bench BENCH=dist on a tiny model: 1 and 2 processes, queries per second and the all-reduce's share."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import pytest
 
 from adazeta.tools import claims_report
 from adazeta.tools.experiment import Job, load
-from helpers import ROOT
+from helpers import ROOT, study_pages
 
 CONFIG, DESIGN = load("cpu_zo_claims")
 
@@ -200,8 +200,8 @@ def test_the_readme_cpu_zo_table_is_the_reports():
     import re
 
     report = (ROOT / "results" / "tables" / "cpu_zo_report.md").read_text()
-    readme = (ROOT / "README.md").read_text()
-    readme = readme[readme.index("### The experiment: `experiment=cpu_zo`"):readme.index("MeZO's grid first held")]
+    readme = study_pages()
+    readme = readme[readme.index("## The experiment: `experiment=cpu_zo`"):readme.index("MeZO's grid first held")]
     rows = {}
     for line in report.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -244,9 +244,9 @@ def test_the_readme_cpu_zo_speed_verdicts_and_state_are_the_reports():
     import re
 
     report = (ROOT / "results" / "tables" / "cpu_zo_speed_report.md").read_text()
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### The follow-up on speed: `experiment=cpu_zo_speed`"):
-                     readme.index("### How good is a ZO gradient here?")]
+    readme = study_pages()
+    section = readme[readme.index("# cpu_zo_speed:"):
+                     readme.index("# grad_fidelity:")]
     check_verdict_table(section, report)
     done = sum(int(m.group(1)) + int(m.group(2)) for m in re.finditer(r"^\| [a-z_0-9]+ \| (\d+) / (\d+) of \d+ \|",
                                                                           report, re.M))
@@ -262,9 +262,9 @@ def test_the_readme_cpu_zo_claims_verdicts_and_numbers_are_the_reports():
     import re
 
     report = (ROOT / "results" / "tables" / "cpu_zo_claims_report.md").read_text()
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### The pre-registered test: `experiment=cpu_zo_claims`"):
-                     readme.index("### The follow-up on speed: `experiment=cpu_zo_speed`")]
+    readme = study_pages()
+    section = readme[readme.index("# cpu_zo_claims:"):
+                     readme.index("# cpu_zo_speed:")]
     check_verdict_table(section, report)
     accuracy = {}
     for line in report.splitlines():

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from adazeta.tools import twins
-from helpers import ROOT
+from helpers import ROOT, study_pages
 
 
 def write_run(run_dir, losses, preds, cpu="This CPU", commit="abcdef0123", norms=None, status="finished"):
@@ -83,7 +83,7 @@ def test_the_committed_same_cpu_twin_reproduces_across_commits_and_not_across_cp
     old = twins.compare(TWIN, RUNS / "cpu_zo_optimizers" / "tt_zo_sgd" / "lr=0.0003,seed=0")
     assert not old.same_cpu and old.commits == ("e3bfb0b", "e3bfb0b") and old.steps_differ == 500
     assert 1e-7 < old.start_gap < 1e-6 and old.predictions_differ == 53 and round(old.dev_gap, 4) == 0.0196
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join(study_pages().split())
     tests = [json.loads((RUNS / "cpu_zo_optimizers" / "tt_zo_sgd" / f"lr=0.0003,seed={s}" / "result.json").read_text())
              ["test_accuracy"] for s in range(3)]
     rerun = json.loads((here / "result.json").read_text())["test_accuracy"]

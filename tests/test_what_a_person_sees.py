@@ -349,13 +349,13 @@ def test_help_is_a_page_to_read(monkeypatch, capsys):
         first, *rest = page.split(f"\n  {group:<12}")[1].split("\n")
         text = " ".join([first, *itertools.takewhile(lambda line: line.startswith(" " * 14), rest)])  # its lines
         assert all(option.stem in text for option in (CONF / group).glob("*.yaml")), group
-    # Every key of the run-level blocks, and every key the README lists, with a line of its own.
+    # Every key of the run-level blocks, and every key the getting-started page lists, with a line of its own.
     from helpers import compose_cfg
 
     cfg = compose_cfg([])
     keys = [f"{block}.{key}" for block in ("train", "data", "guard", "divergence", "wandb") for key in cfg[block]]
-    readme = (ROOT / "README.md").read_text()
-    documented = re.findall(r"`([a-z_]+(?:\.[a-z_]+)*)`", readme.split("Run-level keys:")[1].split("\n\n")[0])
+    guide = (ROOT / "docs" / "getting-started.md").read_text()
+    documented = re.findall(r"`([a-z_]+(?:\.[a-z_]+)*)`", guide.split("Run-level keys:")[1].split("\n\n")[0])
     assert "method.adapter.init" in documented and "train.max_steps" in documented
     missing = [key for key in keys + documented if not re.search(rf"(^|[ ,]){re.escape(key)}( |,|$)", page, re.M)]
     assert not missing, missing

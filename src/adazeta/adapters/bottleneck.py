@@ -23,7 +23,7 @@ class BottleneckAdapterConfig(AdapterCapabilities):
     """Config of the dense bottleneck adapter; validated on construction."""
 
     bottleneck: int = 64  # b: width of the adapter's hidden layer; 2*H*b + H + b parameters per adapter
-    activation: str = "relu"
+    activation: str = "relu"  # the nonlinearity between down and up (ACTIVATIONS)
     # "paper": after the attention and feed-forward sub-layers (Houlsby's placement, the default here);
     # "official": the TT reference code's sites (Llama: gate/up inputs and down output). Ignored with `targets`.
     placement: str = "paper"

@@ -19,7 +19,7 @@ class AdamWConfig(OptimizerCapabilities):
 
     zeroth_order: ClassVar[bool] = False
 
-    lr: float = 1e-5
+    lr: float = 1e-5  # learning rate (the reference's FT rate on Llama-2-7B)
     weight_decay: float = 0.0  # decoupled decay on weights only, never on biases or norms
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8  # AdamW's denominator guard (not the ZO perturbation scale)

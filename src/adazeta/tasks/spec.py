@@ -76,8 +76,8 @@ class LocalSource:
 class MaskedData:
     """Where a masked LM's k-shot splits come from (LM-BFF protocol): local files, else k per class from the Hub."""
 
-    local: LocalSource | None = None
-    hub: HubSource | None = None
+    local: LocalSource | None = None  # the k-shot files (LM-BFF's layout: <dir>/<k>-<seed>/)
+    hub: HubSource | None = None  # else k examples per class drawn from the Hub's train split
 
     def __post_init__(self) -> None:
         if isinstance(self.local, dict):
@@ -90,14 +90,14 @@ class MaskedData:
 class PromptFormat:
     """How one model family sees an example. ``{field}`` placeholders are filled from the row."""
 
-    template: str = ""
+    template: str = ""  # the prompt, with {field} placeholders (and filters: {premise|drop_last})
     candidates: list[str] = field(default_factory=list)  # one per label, in label-index order
     hook: str | None = None  # a registered render hook, for templates that need code
     # Masked (LM-BFF) templates: token limits of the first sentence and of the others, and of the whole prompt
     # (capped by model.max_length), as LM-BFF's --first_sent_limit, --other_sent_limit and --max_seq_length.
-    first_sent_limit: int | None = None
-    other_sent_limit: int | None = None
-    max_length: int | None = None
+    first_sent_limit: int | None = None  # tokens of the first sentence at most (LM-BFF --first_sent_limit)
+    other_sent_limit: int | None = None  # tokens of each other sentence at most (--other_sent_limit)
+    max_length: int | None = None  # tokens of the whole prompt at most (--max_seq_length; model.max_length caps it)
 
     def __post_init__(self) -> None:
         for name in ("first_sent_limit", "other_sent_limit", "max_length"):
@@ -108,8 +108,8 @@ class PromptFormat:
 
 @dataclass
 class TaskSpec:
-    name: str
-    version: int
+    name: str  # the task's name: labels its runs and tables (task=<name> on the command line)
+    version: int  # bumped when a template, a candidate or a protocol changes; recorded with every result
     objective: str = "classification"  # classification | lm | generation (see OBJECTIVES)
     metric: str = "accuracy"  # accuracy, or f1 for generation tasks (exact match is reported beside it)
     f1_objective: bool = False  # generation tasks: ZO methods minimise -F1 of the greedy generation instead
@@ -120,9 +120,9 @@ class TaskSpec:
     int_labels: list[Any] | None = None
     text_fields: list[str] = field(default_factory=list)  # fields every row must have (after `rename`)
     hub: HubSource | None = None  # causal (MeZO protocol) data
-    local: LocalSource | None = None
-    causal: PromptFormat | None = None
-    masked: PromptFormat | None = None
+    local: LocalSource | None = None  # causal (MeZO protocol) data from local files (offline; data.dir)
+    causal: PromptFormat | None = None  # how a decoder sees an example: template, candidates or a hook
+    masked: PromptFormat | None = None  # how a masked LM sees it (LM-BFF templates and token limits)
     masked_data: MaskedData | None = None  # masked (LM-BFF protocol) data
     num_dev: int | None = None  # overrides data.num_dev (MeZO protocol: CB and COPA use 100)
 

@@ -6,23 +6,25 @@ data where ``$ADAZETA_MODEL_DIR`` / ``$ADAZETA_DATA_DIR`` are unset (``offline``
 
 Drivers (launch runs through ``adazeta-run``):
     experiment         every experiment's one driver (its arms, grid and seeds: adazeta.experiments): lr grids
-                       on dev, seeds at the dev-chosen lr, stress runs (make cpu-zo, cpu-zo-claims,
-                       cpu-zo-optimizers; python -m adazeta.tools.experiment table2_llama --phase select)
+                       on dev, seeds at the dev-chosen lr, stress runs (make study NAME=cpu_zo_claims;
+                       python -m adazeta.tools.experiment table2_llama --phase select)
 
 Reports (read result files, write tables and figures):
     make_tables        results/tables from results/runs, dev-selected, the paper's numbers beside (make tables)
     make_figures       convergence curves, memory bars, one run's curves (make figures)
     matrix_report      a task-matrix experiment's table, endpoints, budgets, cost and figures (make tables)
-    cpu_zo_report      the cpu_zo experiment's table, figures and verdicts (make cpu-zo-report)
-    claims_report      a pre-registered claims experiment's endpoints and verdicts (make cpu-zo-claims-report)
-    optimizers_report  the pre-registered ZO optimizer comparison's endpoints (make cpu-zo-optimizers-report)
+    report             a study's report by the engine its endpoints need, then the tables (make report NAME=...)
+    config_reference   the docs' generated pages: every config key described, optimizers, tasks (make docs)
+    cpu_zo_report      the cpu_zo experiment's table, figures and verdicts (make report NAME=cpu_zo)
+    claims_report      a pre-registered claims experiment's endpoints and verdicts (make report NAME=cpu_zo_claims)
+    optimizers_report  the pre-registered ZO optimizer comparison's endpoints (make report NAME=cpu_zo_optimizers)
     twins              does a run reproduce another: dev curve, training log, test predictions, commits and CPUs
 
 Benches and instruments (build runs as ``adazeta-run`` would, then measure):
     bench              speed: forwards, ZO steps, every ZO method, scaling, evaluation, memory phases (make bench)
-    bench_memory       peak memory of one step per method, each in a fresh process (make bench-memory)
-    bench_dist         ZO queries per second on 1 and N processes, torchrun (make bench-dist)
-    grad_fidelity      the ZO estimate against the autograd gradient as Q grows, per method (make grad-fidelity)
+    bench_memory       peak memory of one step per method, each in a fresh process (make bench BENCH=memory)
+    bench_dist         ZO queries per second on 1 and N processes, torchrun (make bench BENCH=dist)
+    grad_fidelity      the ZO estimate against the autograd gradient as Q grows, per method (make study NAME=grad_fidelity)
     diagnose_zo        a ZO run's steps watched from inside: norms, adapter gains, overflow
     displacement       how far a finished run's adapters moved from their step-0 values, per parameter group
 

@@ -1,6 +1,6 @@
 """Scaling benchmark: ZO queries per second on 1 and N processes, and the all-reduce's share of a step.
 
-    make bench-dist                                       # SmolLM2-135M, AdaZeta, Q = 8, 1 and 2 processes
+    make bench BENCH=dist                                       # SmolLM2-135M, AdaZeta, Q = 8, 1 and 2 processes
     python -m adazeta.tools.bench_dist --procs 1 2 --queries 8 --steps 3 method=mezo_lora
     python -m adazeta.tools.bench_dist --procs 1 2 model=tiny-llama task=rte data.dir=...   # any adazeta-run overrides
 

@@ -93,6 +93,20 @@ def load_run(arm: str, seed: int, run_dir: Path) -> Run | None:
     return Run(arm, seed, rec, curve, [r["row"] for r in rows], correct)
 
 
+def cpu_note(runs: dict[str, dict[int, Run]]) -> str:
+    """Which CPUs the runs ran on: times compare only within one CPU (the machines here differ 3-4x in speed)."""
+    from adazeta.results import cpu_label
+
+    by_cpu: dict[str, list[str]] = {}
+    for arm, seeds in runs.items():
+        for seed, run in sorted(seeds.items()):
+            by_cpu.setdefault(cpu_label(run.rec.get("device")), []).append(f"{arm} {seed}")
+    if len(by_cpu) <= 1:
+        return f"every run on {next(iter(by_cpu), 'one CPU')}"
+    return ("runs on several CPUs, whose times do not compare: " +
+            "; ".join(f"{cpu}: {', '.join(runs_)}" for cpu, runs_ in sorted(by_cpu.items())))
+
+
 def load_runs(name: str, design: Design) -> dict[str, dict[int, Run]]:
     out: dict[str, dict[int, Run]] = {}
     for arm, spec in design.arms.items():
@@ -505,8 +519,8 @@ def report(name: str, out: Path) -> Path:
         "",
         *equal_budget(runs, zo, list(range(every, budget + 1, every * 2))),
         "",
-        "At equal training time (minutes of steps, evaluations excluded; the same machine, one thread a run, two runs "
-        "at a time):",
+        "At equal training time (minutes of steps, evaluations excluded; one thread a run, two runs at a time; "
+        f"{cpu_note(runs)}):",
         "",
         *equal_budget(runs, zo, [60.0 * m for m in (5, 10, 20, 30, 40, 50)], "wall_s", label=lambda m: f"{m / 60:.0f} min"),
         "",

@@ -98,7 +98,7 @@ def report() -> None:
     lines = [
         "# Gradient fidelity: ZO estimate vs autograd on one SST-2 minibatch (SmolLM2-135M, batch 16, eps 1e-3)",
         "",
-        "Made by `python -m adazeta.tools.grad_fidelity` (`make grad-fidelity`). Mean (std) over direction seeds; the",
+        "Made by `python -m adazeta.tools.grad_fidelity` (`make study NAME=grad_fidelity`). Mean (std) over direction seeds; the",
         "estimate for Q is the mean of the first Q queries of each seed. `expected` is sqrt(Q / (Q + d + 1)), the",
         "cosine of Gaussian-direction SPSA with exact differences. `loss change` is L(w) - L(w - lr g_hat) on the",
         "same minibatch (positive = the step helped); `per forward` divides it by the 2Q forwards spent.",
