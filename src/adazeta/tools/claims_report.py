@@ -344,36 +344,43 @@ def compare(a: Run | dict[int, Run], b: dict[int, Run], n_boot: int) -> dict | N
         pooled_b = np.stack([b[s].test_correct for s in keep_a]) if keep_a else cb
         per_seed = [float(a[s].test_correct.mean() - b[s].test_correct.mean()) for s in keep_a]
     mc = stats.mcnemar(pooled_a, pooled_b)
-    return {"boot": boot, "mcnemar": mc, "per_seed": per_seed, "flip": stats.sign_flip(per_seed) if per_seed else math.nan,
-            "seeds": (len(ca), len(cb))}
+    both = stats.hierarchical_difference(ca, cb, n_boot=n_boot)  # seeds, then examples: the headline
+    return {"boot": boot, "both": both, "mcnemar": mc, "per_seed": per_seed,
+            "flip": stats.sign_flip(per_seed) if per_seed else math.nan, "seeds": (len(ca), len(cb))}
 
 
 def accuracy(runs: dict[str, dict[int, Run]], cfg: dict, n_boot: int, alpha: float,
              plan: dict[str, int] | None = None) -> tuple[list[str], list[str]]:
     """Endpoint (c): test accuracy at the best-dev state, paired per example and per seed."""
-    lines = ["| first arm | second arm | difference (points) [95 % CI] | paired bootstrap p | McNemar (first only / "
-             "second only, p) | per-seed differences | sign-flip p |", "|---|---|---|---:|---|---|---:|"]
+    lines = ["The headline interval and p resample each arm's seeds, then the test examples (a two-level bootstrap): "
+             "they hold the seed-to-seed spread. The per-example paired bootstrap and McNemar's test beside them hold "
+             "the seeds fixed, so they are conditional on the seeds that ran. The verdict reads the two-level test.", "",
+             "| first arm | second arm | difference (points) [95 % CI, seeds and examples] | two-level p | "
+             "given these seeds: [95 % CI], paired bootstrap p | McNemar (first only / second only, p) | "
+             "per-seed differences | sign-flip p |", "|---|---|---|---:|---|---|---|---:|"]
     verdicts = []
     for first, second in cfg["pairs"]:
         c = compare(runs.get(first, {}), runs.get(second, {}), n_boot)
         if c is None:
             verdicts.append(f"- (c) accuracy, `{first}` >= `{second}`: **{UNRESOLVED}** (runs missing)")
             continue
-        b, m = c["boot"], c["mcnemar"]
-        if b.diff > 0 and b.p < alpha:
+        b, h, m = c["boot"], c["both"], c["mcnemar"]
+        if h.diff > 0 and h.p < alpha:
             verdict = CONFIRMED
-        elif b.diff < 0 and b.p < alpha:
+        elif h.diff < 0 and h.p < alpha:
             verdict = REFUTED
         else:
             verdict = UNRESOLVED
-        lines.append(f"| {first} | {second} | {100 * b.diff:+.1f} [{100 * b.lo:+.1f}, {100 * b.hi:+.1f}] | "
-                     f"{fmt_p(b.p)} | {m.a_only} / {m.b_only}, {fmt_p(m.p)} | "
+        lines.append(f"| {first} | {second} | {100 * h.diff:+.1f} [{100 * h.lo:+.1f}, {100 * h.hi:+.1f}] | "
+                     f"{fmt_p(h.p)} | [{100 * b.lo:+.1f}, {100 * b.hi:+.1f}], {fmt_p(b.p)} | "
+                     f"{m.a_only} / {m.b_only}, {fmt_p(m.p)} | "
                      f"{', '.join(f'{100 * d:+.1f}' for d in c['per_seed'])} | {fmt_p(c['flip'])} |")
         # seeds still to run: an arm with one seed so far is paired with every seed of the other
         verdict += interim(runs, [first, second], plan)
-        verdicts.append(f"- (c) accuracy, `{first}` >= `{second}`: **{verdict}**: {100 * b.diff:+.1f} points "
-                        f"[{100 * b.lo:+.1f}, {100 * b.hi:+.1f}], paired bootstrap {p_is(b.p)} "
-                        f"({c['seeds'][0]} vs {c['seeds'][1]} seeds)")
+        verdicts.append(f"- (c) accuracy, `{first}` >= `{second}`: **{verdict}**: {100 * h.diff:+.1f} points "
+                        f"[{100 * h.lo:+.1f}, {100 * h.hi:+.1f}] over seeds and examples, two-level bootstrap "
+                        f"{p_is(h.p)}; given these seeds [{100 * b.lo:+.1f}, {100 * b.hi:+.1f}], paired bootstrap "
+                        f"{p_is(b.p)} ({c['seeds'][0]} vs {c['seeds'][1]} seeds)")
     return verdicts, lines
 
 

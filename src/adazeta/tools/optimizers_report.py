@@ -215,22 +215,27 @@ def accuracy(runs: dict[str, dict[int, Run]], references: dict[str, str], cfg: d
         c = compare(runs[arm], runs.get(ref, {}), n_boot)
         if c is not None:
             rows.append((family(arm, references), arm, ref, c))
-    adjusted: dict[str, float] = {}
+    adjusted: dict[str, float] = {}  # Holm over each adapter's arms, on the two-level p
     for fam in sorted({r[0] for r in rows}):
         mine = [r for r in rows if r[0] == fam]
-        for r, p in zip(mine, holm([r[3]["boot"].p for r in mine]) if cfg.get("holm", True) else
-                        [r[3]["boot"].p for r in mine]):
+        for r, p in zip(mine, holm([r[3]["both"].p for r in mine]) if cfg.get("holm", True) else
+                        [r[3]["both"].p for r in mine]):
             adjusted[r[1]] = p
     margin = cfg.get("margin")
-    lines = ["| arm | vs | difference (points) [95 % CI] | paired bootstrap p | Holm p | McNemar (arm only / ref only, "
-             "p) | per-seed differences | sign-flip p |" + (f" within {margin:g} points? |" if margin is not None else ""),
-             "|---|---|---|---:|---:|---|---|---:|" + ("---|" if margin is not None else "")]
+    lines = ["The difference's interval and p resample each arm's seeds, then the test examples (a two-level "
+             "bootstrap); the per-example paired bootstrap and McNemar's test beside them hold the seeds fixed "
+             "(conditional on the seeds that ran). Holm and the margin read the two-level test.", "",
+             "| arm | vs | difference (points) [95 % CI, seeds and examples] | two-level p | Holm p | given these "
+             "seeds: [95 % CI], paired bootstrap p | McNemar (arm only / ref only, p) | per-seed differences | "
+             "sign-flip p |" + (f" within {margin:g} points? |" if margin is not None else ""),
+             "|---|---|---|---:|---:|---|---|---|---:|" + ("---|" if margin is not None else "")]
     for _, arm, ref, c in rows:
-        b, m = c["boot"], c["mcnemar"]
-        lines.append(f"| {arm} | {ref} | {100 * b.diff:+.1f} [{100 * b.lo:+.1f}, {100 * b.hi:+.1f}] | {fmt_p(b.p)} | "
-                     f"{fmt_p(adjusted[arm])} | {m.a_only} / {m.b_only}, {fmt_p(m.p)} | "
+        b, h, m = c["boot"], c["both"], c["mcnemar"]
+        lines.append(f"| {arm} | {ref} | {100 * h.diff:+.1f} [{100 * h.lo:+.1f}, {100 * h.hi:+.1f}] | {fmt_p(h.p)} | "
+                     f"{fmt_p(adjusted[arm])} | [{100 * b.lo:+.1f}, {100 * b.hi:+.1f}], {fmt_p(b.p)} | "
+                     f"{m.a_only} / {m.b_only}, {fmt_p(m.p)} | "
                      f"{', '.join(f'{100 * d:+.1f}' for d in c['per_seed'])} | {fmt_p(c['flip'])} |"
-                     + (f" {within(b.lo, b.hi, float(margin))} |" if margin is not None else ""))
+                     + (f" {within(h.lo, h.hi, float(margin))} |" if margin is not None else ""))
     uneven = [f"`{arm}` {c['seeds'][0]} against `{ref}`'s {c['seeds'][1]}" for _, arm, ref, c in rows
               if c["seeds"][0] != c["seeds"][1]]
     if uneven:
