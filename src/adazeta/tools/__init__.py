@@ -14,6 +14,7 @@ Reports (read result files, write tables and figures):
     make_figures       convergence curves, memory bars, one run's curves (make figures)
     matrix_report      a task-matrix experiment's table, endpoints, budgets, cost and figures (make tables)
     report             a study's report by the engine its endpoints need, then the tables (make report NAME=...)
+    study_report       a study's declared predictions (differences, chosen rates, stability) and their verdicts
     config_reference   the docs' generated pages: every config key described, optimizers, tasks (make docs)
     cpu_zo_report      the cpu_zo experiment's table, figures and verdicts (make report NAME=cpu_zo)
     claims_report      a pre-registered claims experiment's endpoints and verdicts (make report NAME=cpu_zo_claims)

@@ -2,7 +2,8 @@
 
     python -m adazeta.tools.report cpu_zo_claims
 
-The experiment's ``endpoints:`` block says which report reads it: ``kind: matrix`` (a task matrix:
+The experiment's ``endpoints:`` block says which report reads it: ``kind: declared`` (a list of predictions, each
+a declared test: ``study_report``, the engine for every new study); ``kind: matrix`` (a task matrix:
 ``matrix_report``); speed / stability / accuracy (a claims experiment: ``claims_report``); share / goal /
 reproduces (an optimizer comparison: ``optimizers_report``); cpu_zo, which declares none, has ``cpu_zo_report``.
 Every report is followed by ``make_tables`` (the tables beside it). An experiment with no endpoints gets the
@@ -27,8 +28,10 @@ def engine(name: str) -> tuple[str, list[str]] | None:
     ends = compose_experiment(name).get("endpoints") or {}
     if ends.get("kind") == "matrix":
         return "matrix_report", [name]
+    if ends.get("kind") == "declared":
+        return "study_report", [name]
     if ends.get("kind") is not None:
-        raise ConfigError(f"experiment {name}: endpoints.kind {ends['kind']!r} has no report; known: matrix")
+        raise ConfigError(f"experiment {name}: endpoints.kind {ends['kind']!r} has no report; known: matrix, declared")
     if "speed" in ends:
         return "claims_report", [name]
     if {"share", "goal", "reproduces"} & set(ends):

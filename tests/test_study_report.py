@@ -1,0 +1,81 @@
+"""adazeta.tools.study_report: a study's declared predictions judged from its runs (cpu_zo_adaptive_lr's list on
+hand-made runs): the dev-chosen rate, the two-level difference, stability, and interim verdicts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from adazeta.errors import ConfigError
+from adazeta.tools import study_report
+from adazeta.tools.experiment import Job
+
+NAME = "cpu_zo_adaptive_lr"
+
+
+def write(arm: str, lr: float, seed: int, correct: np.ndarray, dev: float, losses: list[float],
+          status: str = "finished", steps_per_eval: int = 100) -> None:
+    run = Job(arm, lr, seed, NAME, []).run_dir
+    (run / "predictions").mkdir(parents=True)
+    steps = [i * steps_per_eval for i in range(len(losses))]
+    (run / "metrics.csv").write_text("step,forward_passes,step_time_s\n" + "".join(
+        f"{s},{2 * s},0.5\n" for s in range(1, steps[-1] + 1)))
+    (run / "eval.csv").write_text("step,split,loss,accuracy,tied\n" + "".join(
+        f"{s},dev,{loss},{dev},0.0\n" for s, loss in zip(steps, losses)))
+    (run / "predictions" / "test.csv").write_text("index,row,gold,pred,correct\n" + "".join(
+        f"{i},{i},1,{int(c)},{int(c)}\n" for i, c in enumerate(correct)))
+    (run / "result.json").write_text(json.dumps({
+        "status": status, "dev_accuracy": dev, "dev_loss": min(losses), "test_accuracy": float(correct.mean()),
+        "steps": steps[-1], "best_step": steps[int(np.argmin(losses))], "git": {"commit": "abc", "dirty": False}}))
+
+
+def correct(accuracy: float, seed: int, n: int = 600) -> np.ndarray:
+    easy = np.random.default_rng(0).random(n)
+    return ((easy + np.random.default_rng(seed).normal(0, 0.02, n)) < accuracy).astype(float)
+
+
+@pytest.fixture
+def runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_the_declared_predictions_are_judged_from_the_runs(runs):
+    steady = [1.0, 0.7, 0.6, 0.58, 0.57]
+    for lr, dev in ((3e-4, 0.70), (1e-3, 0.76), (3e-3, 0.60)):  # ada_official's grid: 1e-3 wins on dev
+        write("ada_official", lr, 0, correct(0.80, 0), dev, steady)
+    for lr, dev in ((3e-4, 0.72), (1e-3, 0.70), (3e-3, 0.50)):  # ada_paper keeps 3e-4
+        write("ada_paper", lr, 0, correct(0.74, 0), dev, steady)
+    text = study_report.report(NAME, runs / "out").read_text()
+    assert "- P1, `ada_official`'s dev-chosen rate above 0.0003: **confirmed**: 0.001" in text
+    assert "- P1, `ada_paper`'s dev-chosen rate above 0.0003: **refuted**: 0.0003" in text
+    assert "- P2, `ada_official` above `tt_q1`: **unresolved** (runs missing)" in text
+    for seed in (1, 2, 3):
+        write("ada_official", 1e-3, seed, correct(0.80 + 0.005 * seed, seed), 0.76, steady)
+        write("ada_paper", 3e-4, seed, correct(0.74, seed), 0.72, steady)
+    drifting = [1.0, 0.6, 0.5, 0.7, 0.9]  # final / best 1.8: unstable
+    for seed in range(4):
+        write("tt_q1", 3e-4, seed, correct(0.74, 10 + seed), 0.72, drifting)
+    text = study_report.report(NAME, runs / "out").read_text()
+    p2 = next(line for line in text.splitlines() if line.startswith("- P2, `ada_official`"))
+    assert "**confirmed**" in p2 and "over seeds and examples" in p2 and "(sign-flip p = 0.125; 4 vs 4 seeds)" in p2
+    assert "**unresolved**" in next(line for line in text.splitlines() if line.startswith("- P2, `ada_paper`"))
+    assert "- P3, stability, `ada_official` vs `tt_q1`: **confirmed**: unstable 0/4 vs 4/4" in text
+    assert "| ada_official | 0.001 | 4 of 4 |" in text
+
+
+def test_an_interim_verdict_says_which_seeds_are_missing_and_a_bad_test_is_one_line(runs, monkeypatch):
+    for lr in (3e-4, 1e-3, 3e-3):
+        write("ada_official", lr, 0, correct(0.80, 0), 0.70 + lr, [1.0, 0.6])
+    write("tt_q1", 3e-4, 0, correct(0.70, 1), 0.7, [1.0, 0.6])
+    text = study_report.report(NAME, runs / "out").read_text()
+    assert "(interim: `ada_official` 1 of 4 seeds)" in text
+    from adazeta.tools import experiment
+
+    config, design = experiment.load(NAME)
+    config["endpoints"]["list"] = [{"id": "X", "test": "speed"}]
+    monkeypatch.setattr(study_report, "load_experiment", lambda name: (config, design))
+    with pytest.raises(ConfigError, match="endpoint 'X' has test 'speed'; known: difference, chosen_lr, stability"):
+        study_report.report(NAME, runs / "out")
