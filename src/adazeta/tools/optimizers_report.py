@@ -271,8 +271,9 @@ def cpus(runs: dict[str, dict[int, Run]]) -> list[str]:
              for a, s in by_arm.items() if len(set(s.values())) > 1]
     return [f"The runs above ran on {len(names)} CPUs. A run's last bits are its CPU's: the same command gives "
             "dev losses that differ in their last digits at step 0 on two CPUs, and the ZO steps carry that on "
-            "(`python -m adazeta.tools.twins RUN TWIN`). By arm: " + "; ".join(p for p in parts if not p.endswith(": "))
-            + (f"; both: {', '.join(mixed)}" if mixed else "") + ".", ""]
+            "(`python -m adazeta.tools.twins RUN TWIN`). By arm: "
+            + "; ".join([p for p in parts if not p.endswith(": ")] + ([f"both: {', '.join(mixed)}"] if mixed else []))
+            + ".", ""]
 
 
 def report(name: str, out: Path) -> Path:
