@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -114,11 +115,14 @@ def test_the_preregistered_claims_experiment_plans_seed_major_with_one_rate_per_
     assert per_arm == {a: [1, 2, 3] for a in ("mezo_lora", "ada_official", "ada_paper", "tt_q1", "icl", "tt_fo")}
 
 
-def test_a_dirty_tree_is_refused_unless_allowed_and_launches_are_logged(root, monkeypatch, tmp_path):
+def test_a_dirty_tree_is_refused_unless_allowed_and_launches_are_logged(root, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(driver, "git_state", lambda: {"commit": "abc123def4567", "dirty": True})
     monkeypatch.setattr(sys, "argv", ["experiment.py", "cpu_zo_claims", "--arms", "zero_shot"])
-    with pytest.raises(SystemExit, match="uncommitted changes.*--allow-dirty"):
+    with pytest.raises(SystemExit) as stop:
         driver.main()
+    assert stop.value.code == 2  # bad input: one line, as argparse's own errors
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search("uncommitted changes.*--allow-dirty", err[0])
     job = driver.Job("zs", None, 0, "x", ["method=zero_shot"])
     job.run_dir.mkdir(parents=True)
     driver.log_launch(job, ["py", "-m", "adazeta.cli", "method=zero_shot"], {"commit": "abc", "dirty": True}, True)
@@ -206,10 +210,57 @@ def test_every_committed_experiment_has_the_one_schema_and_no_other():
             assert "params: ${experiment_sweep:}" in text, path.stem
 
 
-def test_the_driver_refuses_an_unknown_experiment_in_one_line(root, monkeypatch):
+def test_the_driver_refuses_an_unknown_experiment_in_one_line(root, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["experiment.py", "nosuch", "--dry"])
-    with pytest.raises(SystemExit, match="no experiment config .*nosuch.yaml; known experiments: .*cpu_zo"):
+    with pytest.raises(SystemExit) as stop:
         driver.main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1
+    assert re.search("no experiment config .*nosuch.yaml; known experiments: .*cpu_zo", err[0])
+
+
+@pytest.mark.parametrize("flag", [["--threads", "0"], ["--jobs", "-1"], ["--threads", "two"]])
+def test_a_thread_or_job_count_below_one_is_refused_before_anything_starts(root, monkeypatch, capsys, flag):
+    monkeypatch.setattr(sys, "argv", ["experiment.py", "cpu_zo_claims", *flag])
+    with pytest.raises(SystemExit) as stop:
+        driver.main()
+    assert stop.value.code == 2 and f"argument {flag[0]}" in capsys.readouterr().err
+
+
+def test_a_stop_signal_reaches_the_runs_and_the_driver_ends_with_its_status(root, tmp_path):
+    """SIGTERM to the driver alone: its running run gets it too (it checkpoints and stops; here a child that
+    records the signal), no further run starts, and the driver exits 128 + 15 with one line saying how to go on."""
+    import signal
+    import time
+
+    child = tmp_path / "child.py"
+    child.write_text("import signal, sys, time, pathlib\n"
+                     "def stop(n, f):\n    pathlib.Path(sys.argv[1]).write_text(str(n)); sys.exit(128 + n)\n"
+                     "signal.signal(signal.SIGTERM, stop)\n"
+                     "pathlib.Path(sys.argv[1] + '.ready').write_text('up')\n"
+                     "time.sleep(60)\n")
+    script = tmp_path / "drive.py"
+    script.write_text(
+        "import sys, threading\n"
+        "from adazeta.tools import experiment as d\n"
+        f"d.command = lambda name, job, extra: [sys.executable, {str(child)!r}, str(job.run_dir / 'got')]\n"
+        "d.git_state = lambda: {'commit': 'abc', 'dirty': False}\n"
+        "sys.argv = ['experiment.py', 'cpu_zo_claims', '--arms', 'zero_shot,zero_shot_cc', '--phase', 'select',"
+        " '--jobs', '1']\n"
+        "d.main()\n")
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(Path(driver.__file__).parents[2])})
+    first = root / "results" / "runs" / "cpu_zo_claims" / "zero_shot" / "seed=0"
+    for _ in range(300):
+        if (first / "got.ready").exists():
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert (first / "got").read_text() == str(int(signal.SIGTERM))  # the run got the signal
+    assert not (root / "results" / "runs" / "cpu_zo_claims" / "zero_shot_cc").exists()  # nothing new started
+    assert "Traceback" not in err and "stopped by SIGTERM" in err and "the same command continues" in err
 
 
 def test_a_run_another_process_holds_is_left_to_it_and_a_free_one_is_launched(root, monkeypatch, capsys):
@@ -220,8 +271,7 @@ def test_a_run_another_process_holds_is_left_to_it_and_a_free_one_is_launched(ro
     (job,) = list(driver.plan("cpu_zo_claims", driver.load("cpu_zo_claims")[1], "select", ["zero_shot"]))
     assert holder(job.run_dir) is None  # never claimed
     launched = []
-    monkeypatch.setattr(driver.subprocess, "run",
-                        lambda cmd, **kw: launched.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.setattr(driver.CHILDREN, "run", lambda cmd, env, log: launched.append(cmd) or 0)
     with claim(job.run_dir):
         assert holder(job.run_dir).startswith(f"pid {os.getpid()} ")
         with pytest.raises(SystemExit) as stop:
@@ -248,14 +298,14 @@ def test_a_run_another_driver_ended_after_the_plan_is_not_launched_again(root, m
                      for j in driver.plan("cpu_zo_claims", design, "select", [arm]))
     launched = []
 
-    def run(cmd, **kw):  # while this driver runs the first job, the other finishes the second
+    def run(cmd, env, log):  # while this driver runs the first job, the other finishes the second
         launched.append(cmd)
         if len(launched) == 1:
             finish(second, dev=0.6)
             (second.run_dir / "stdout.log").write_text("the other driver's log\n")
-        return subprocess.CompletedProcess(cmd, 0)
+        return 0
 
-    monkeypatch.setattr(driver.subprocess, "run", run)
+    monkeypatch.setattr(driver.CHILDREN, "run", run)
     with pytest.raises(SystemExit) as stop:
         driver.main()
     out = capsys.readouterr().out

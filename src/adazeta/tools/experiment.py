@@ -26,8 +26,10 @@ import json
 import math
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,6 +44,17 @@ from adazeta.results import git_state
 from adazeta.rundir import holder
 
 PHASES = ("select", "seeds", "stress")
+
+
+class InputError(SystemExit):
+    """Bad input to the driver: one line on stderr and exit status 2 (as argparse's own errors), nothing started."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = f"experiment.py: error: {message}"
+
+    def __str__(self) -> str:
+        return self.message
 
 
 @dataclass
@@ -132,7 +145,7 @@ def plan(name: str, design: Design, phase: str, arms: list[str] | None = None) -
     if arms:  # names or shell-style patterns ("tt_*": every TT arm)
         unknown = sorted(a for a in arms if not fnmatch.filter(order, a))
         if unknown:
-            sys.exit(f"experiment.py: error: unknown arm(s) {', '.join(unknown)}; known: {', '.join(order)}")
+            raise InputError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(order)}")
         order = [a for a in order if any(fnmatch.fnmatchcase(a, pattern) for pattern in arms)]
     jobs: list[Job] = []
     for point in [tuple(p.items()) for p in design.points()]:
@@ -202,10 +215,9 @@ def load(name: str) -> tuple[dict[str, Any], Design]:
         config = compose_experiment(name)
         design = design_of(config, name)
     except ConfigError as err:
-        sys.exit(f"experiment.py: error: {err}")
+        raise InputError(str(err)) from None
     if design is None:
-        sys.exit(f"experiment.py: error: experiment {name} has no `arms:` block; run it with adazeta-run -m "
-                 f"experiment={name}")
+        raise InputError(f"experiment {name} has no `arms:` block; run it with adazeta-run -m experiment={name}")
     return config, design
 
 
@@ -225,13 +237,67 @@ def log_launch(job: Job, cmd: list[str], code: dict, allow_dirty: bool) -> None:
                          code["dirty"], allow_dirty, "adazeta-run " + " ".join(shlex.quote(a) for a in cmd[3:])])
 
 
+class Children:
+    """The runs this driver has started and not yet seen end; a stop signal is passed on to them (each run
+    checkpoints and records where it stopped), no new run starts, and the driver ends with the signal's status."""
+
+    def __init__(self) -> None:
+        self.running: set[subprocess.Popen] = set()
+        self.lock = threading.Lock()
+        self.stopped: int | None = None
+
+    def run(self, cmd: list[str], env: dict, log: Any) -> int:
+        with self.lock:
+            if self.stopped is not None:
+                return 128 + self.stopped
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            self.running.add(proc)
+        try:
+            return proc.wait()
+        finally:
+            with self.lock:
+                self.running.discard(proc)
+
+    def stop(self, signum: int, _frame: Any = None) -> None:
+        if self.stopped is None:
+            self.stopped = signum
+            print(f"# {signal.Signals(signum).name}: no new run starts; the running ones checkpoint and stop (the "
+                  "same command continues them)", flush=True)
+        if signum == signal.SIGINT:
+            return  # Ctrl-C reaches the runs from the terminal itself; a second SIGINT would stop them at once
+        with self.lock:
+            for proc in self.running:
+                try:
+                    proc.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
+
+CHILDREN = Children()
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
+    return value
+
+
 def main() -> None:
+    try:
+        _main()
+    except InputError as err:
+        print(err.message, file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiment")
     parser.add_argument("--phase", choices=(*PHASES, "all"), default="all")
     parser.add_argument("--arms", type=lambda s: [a.strip() for a in s.split(",") if a.strip()])
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument("--jobs", type=positive, default=2, help="runs at a time")
+    parser.add_argument("--threads", type=positive, default=1, help="torch threads per run")
     parser.add_argument("--dry", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--factors", type=float, nargs="+", help="stress multipliers, replacing design.stress")
     parser.add_argument("--allow-dirty", action="store_true",
@@ -243,12 +309,16 @@ def main() -> None:
 
     code = git_state()
     if code["dirty"] and not args.dry and not args.allow_dirty:
-        sys.exit(f"experiment.py: error: the source tree ({code['commit'][:12]}) has uncommitted changes, so a run's "
-                 "record would not say which code made it; commit them, or pass --allow-dirty (recorded)")
+        raise InputError(f"the source tree ({code['commit'][:12]}) has uncommitted changes, so a run's record would "
+                         "not say which code made it; commit them, or pass --allow-dirty (recorded)")
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, CHILDREN.stop)
     env = use_shared(dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads)))
     phases = PHASES if args.phase == "all" else (args.phase,)
     failed = 0
     for phase in phases:  # a later phase reads the choices the earlier ones made
+        if CHILDREN.stopped is not None:
+            break
         jobs = plan(args.experiment, design, phase, args.arms)
         todo = [j for j in jobs if not j.done()]
         print(f"# {phase}: {len(jobs)} runs, {len(jobs) - len(todo)} already done", flush=True)
@@ -268,17 +338,23 @@ def main() -> None:
             print("$ adazeta-run " + " ".join(shlex.quote(a) for a in cmd[3:]), flush=True)
             if args.dry:
                 return 0
+            if CHILDREN.stopped is not None:  # stopping: the runs not started stay for the next invocation
+                return 0
             job.run_dir.mkdir(parents=True, exist_ok=True)
             log_launch(job, cmd, code, args.allow_dirty)
             start = time.time()
             with open(job.run_dir / "stdout.log", "w") as log:
-                rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+                rc = CHILDREN.run(cmd, env, log)
             print(f"# {job.arm}{where} lr={job.lr} seed={job.seed}: {status(job.run_dir)} (exit {rc}, "
                   f"{time.time() - start:.0f} s)", flush=True)
             return rc
 
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             failed += sum(rc != 0 for rc in pool.map(launch, todo))
+    if CHILDREN.stopped is not None:
+        print(f"experiment.py: stopped by {signal.Signals(CHILDREN.stopped).name}; the runs it stopped kept their "
+              "checkpoints: the same command continues them", file=sys.stderr)
+        sys.exit(128 + CHILDREN.stopped)
     sys.exit(1 if failed else 0)
 
 
