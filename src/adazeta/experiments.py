@@ -49,6 +49,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from adazeta.errors import ConfigError
+from adazeta.record import ENDED
 
 
 @dataclass(frozen=True)
@@ -288,7 +289,7 @@ def budget_at(budget: Budget, value: Any, runs: Path) -> PilotBudget:
     if not dirs:
         return PilotBudget(None, f"its pilot ({pattern}) has not run")
     statuses = [json.loads((d / "result.json").read_text()).get("status") for d in dirs]
-    if any(s not in ("finished", "diverged", "stalled") for s in statuses):
+    if any(s not in ENDED for s in statuses):
         return PilotBudget(None, f"its pilot ({pattern}) has not ended")
     curves = [_dev_curve(d) for d in dirs]
     if any(c is None for c in curves):

@@ -69,15 +69,8 @@ CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "am
 
 def cpu_features() -> list[str]:
     """Which of ``CPU_FEATURES`` this CPU has (/proc/cpuinfo's flags; empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return [feature for feature in CPU_FEATURES if feature in flags]
-    except OSError:
-        pass
-    return []
+    flags = set((_cpuinfo("flags") or "").split())
+    return [feature for feature in CPU_FEATURES if feature in flags]
 
 
 def cpu_label(device: dict[str, Any] | None) -> str:
@@ -90,16 +83,21 @@ def cpu_label(device: dict[str, Any] | None) -> str:
     return f"{name} ({'AMX' if 'amx_bf16' in features else 'no AMX'})"
 
 
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux), else what ``platform`` knows: timings depend on it."""
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` line of /proc/cpuinfo (Linux), None where it cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what ``platform`` knows: timings depend on it."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def write_result(path: Path, record: dict[str, Any]) -> None:

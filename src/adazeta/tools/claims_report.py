@@ -95,12 +95,10 @@ def load_run(arm: str, seed: int, run_dir: Path) -> Run | None:
 
 def cpu_note(runs: dict[str, dict[int, Run]]) -> str:
     """Which CPUs the runs ran on: times compare only within one CPU (the machines here differ 3-4x in speed)."""
-    from adazeta.results import cpu_label
-
     by_cpu: dict[str, list[str]] = {}
     for arm, seeds in runs.items():
         for seed, run in sorted(seeds.items()):
-            by_cpu.setdefault(cpu_label(run.rec.get("device")), []).append(f"{arm} {seed}")
+            by_cpu.setdefault(twins.cpu(run.rec), []).append(f"{arm} {seed}")
     if len(by_cpu) <= 1:
         return f"every run on {next(iter(by_cpu), 'one CPU')}"
     return ("runs on several CPUs, whose times do not compare: " +

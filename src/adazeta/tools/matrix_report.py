@@ -19,6 +19,7 @@ Endpoints (``endpoints:`` in the config):
 from __future__ import annotations
 
 import argparse
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from adazeta import stats
 from adazeta.errors import ConfigError
 from adazeta.experiments import budget_at, compose_experiment, design_of
 from adazeta.plots import matrix_figure, plt, read_run, save_figure
-from adazeta.record import read_record
+from adazeta.record import ENDED, read_record
 from adazeta.results import cpu_label
 from adazeta.tables import MISSING, _test_correctness, build_table, load_paper_numbers, load_results, select_on_dev
 from adazeta.tools import one_line_errors
@@ -38,7 +39,7 @@ from adazeta.tools import one_line_errors
 CALIBRATED = "calibrated"
 
 
-@dataclass
+@dataclass(eq=False)
 class Cell:
     """One arm at one task: its dev-selected setting's runs."""
 
@@ -49,8 +50,13 @@ class Cell:
     test: float
     diverged: int
 
-    def matrix(self) -> np.ndarray | None:
+    @functools.cached_property
+    def correct(self) -> np.ndarray | None:
+        """(seeds x examples) test correctness, read once: every endpoint compares this cell."""
         return _test_correctness(self.paths)
+
+    def matrix(self) -> np.ndarray | None:
+        return self.correct
 
 
 def _cells(selected: pd.DataFrame, results: pd.DataFrame, experiment: str) -> dict[tuple[str, str], Cell]:
@@ -59,7 +65,7 @@ def _cells(selected: pd.DataFrame, results: pd.DataFrame, experiment: str) -> di
     for row in ours.itertuples():
         runs = results[(results["experiment"] == experiment) & (results["task"] == row.task)
                        & (results["method"] == row.method) & (results["setting"] == row.setting)
-                       & results["status"].isin(["finished", "diverged", "stalled"])]
+                       & results["status"].isin(list(ENDED))]
         out[row.method, row.task] = Cell(row.method, row.task, list(runs["path"]), float(row.dev_mean),
                                          float(row.test_mean), int(row.diverged))
     return out
@@ -179,11 +185,12 @@ def _status(name: str, design, results: pd.DataFrame, runs: Path, tasks: list[st
     from adazeta.tools.experiment import plan
 
     lines = ["## Where it stands", ""]
-    ended = results[results["status"].isin(["finished", "diverged", "stalled"])] if len(results) else results
-    hours = sum((read_record(Path(p)) or {}).get("wall_time_s") or 0 for p in ended["path"]) / 3600 if len(ended) else 0
+    ended = results[results["status"].isin(list(ENDED))] if len(results) else results
+    records = [read_record(Path(p)) or {} for p in (ended["path"] if len(ended) else [])]
+    hours = sum(r.get("wall_time_s") or 0 for r in records) / 3600
     cpus: dict[str, int] = {}
-    for path in ended["path"] if len(ended) else []:
-        label = cpu_label((read_record(Path(path)) or {}).get("device"))
+    for record in records:
+        label = cpu_label(record.get("device"))
         cpus[label] = cpus.get(label, 0) + 1
     diverged = int((ended["status"] == "diverged").sum()) if len(ended) else 0
     lines.append(f"- {len(ended)} runs ended ({diverged} diverged), {hours:.1f} core-hours by their wall times.")

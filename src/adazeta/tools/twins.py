@@ -51,8 +51,12 @@ class Twins:
 
 def cpu(rec: dict) -> str:
     """The CPU (or device) name a run's result records, ``?`` where it has none."""
+    from adazeta.results import cpu_label
+
     device = rec.get("device") or {}
-    return str(device.get("name") or device.get("type") or "?") if isinstance(device, dict) else str(device)
+    if not isinstance(device, dict):
+        return str(device)
+    return cpu_label(device) if device.get("name") else str(device.get("type") or "?")
 
 
 def commit(rec: dict) -> str:
