@@ -33,7 +33,7 @@ help:
 	@echo "make figures    convergence curves and memory bars in $(FIGURES) (FIGURES=results/figures: the committed ones)"
 	@echo "make docs       the documentation site (MkDocs, --strict) in site/"
 	@echo "make study NAME=cpu_table2   run a study's experiment (every phase; finished runs are skipped)"
-	@echo "make report NAME=cpu_table2  a study's report (the engine its endpoints need) and the tables"
+	@echo "make report NAME=cpu_table2  a study's report from its declared endpoints, then the tables"
 	@echo "make bench      speed, one process (BENCH=memory | dist | gpu for the others; BENCH_ARGS=... passes flags)"
 	@echo "make clean      remove outputs/, multirun/, site/ and caches"
 	@echo "Studies: studies/README.md. Docs: docs/ (make docs)."
@@ -85,7 +85,7 @@ study: setup
 
 report: setup
 	@test -n "$(NAME)" || { echo "make report: give the study, e.g. make report NAME=cpu_zo_claims"; exit 2; }
-	$(BIN)/python -m adazeta.tools.report $(NAME)
+	$(BIN)/python -m adazeta.tools.study_report $(NAME)
 
 # e.g. make bench BENCH_ARGS="--repeats 5"; without model or data files: BENCH_ARGS="--weights random";
 # make bench BENCH=memory (peak memory per method), BENCH=dist (torchrun, DIST_ARGS), BENCH=gpu (OUT=folder)

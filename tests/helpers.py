@@ -121,3 +121,14 @@ def study_pages() -> str:
     """The studies' pages (studies/<name>/README.md) one after the other: what the tests hold to the reports."""
     root = Path(__file__).resolve().parents[1] / "studies"
     return "\n".join((root / name / "README.md").read_text() for name in STUDY_ORDER)
+
+
+def study_script(name: str):
+    """A study's own report module (studies/<name>/report.py), imported from its file: it is not in the package."""
+    import importlib.util
+
+    path = ROOT / "studies" / name / "report.py"
+    spec = importlib.util.spec_from_file_location(f"study_{name}_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

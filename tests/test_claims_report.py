@@ -1,4 +1,4 @@
-"""adazeta.tools.claims_report on hand-made run files: each endpoint's verdict follows the committed decision rules."""
+"""The claims endpoints (adazeta.tools.endpoints.claims) on hand-made run files: each endpoint's verdict follows the committed decision rules."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from adazeta.tools import claims_report
+from adazeta.errors import ConfigError
+from adazeta.tools.endpoints import claims
 from adazeta.tools.experiment import Job, load
 from helpers import ROOT, study_pages
 
@@ -67,7 +68,7 @@ def test_verdicts_follow_the_preregistered_rules(results):
         write_run("ada_paper", seed, fast, better)
         write_run("tt_q1", seed, drifting, base, status="diverged")
     write_run("zero_shot", 0, [1.0], (rng.random(n) < 0.5).astype(float))
-    path = claims_report.report("cpu_zo_claims", results / "results")
+    path = claims.report("cpu_zo_claims", results / "results")
     text = path.read_text()
     # (a) target = mean(last 3) = 1 - 0.03 * 14 = 0.58 reached by MeZO-LoRA at 2,800 forwards; the fast arms at 200
     assert "| ada_official | 0 | 0.5800 | 1.05 | 2800 | 200 | 0.07 |" in text
@@ -95,7 +96,7 @@ def test_a_refuted_speed_claim_and_an_unstable_adaptive_arm_are_reported_as_refu
         write_run("ada_official", seed, [1.0] * 10 + [0.5] * 6, base)      # at 2,000: r = 5
         write_run("tt_q1", seed, [1.0, 0.5, 0.5, 0.5, 0.7], base, status="diverged" if seed == 0 else "finished")
         write_run("ada_paper", seed, [1.0, 0.5, 0.9, 1.0, 1.0], base)     # drifts: final / best 2.0 on every seed
-    text = claims_report.report("cpu_zo_claims", results / "results").read_text()
+    text = claims.report("cpu_zo_claims", results / "results").read_text()
     assert "(a) speed, `ada_official`: **refuted**: r <= 0.333 at 0 of 4 seeds" in text
     assert "(b) stability, `ada_paper` vs `tt_q1`: **refuted**: unstable 4/4 vs 4/4" in text
 
@@ -109,7 +110,7 @@ def test_a_verdict_with_seeds_still_to_run_says_interim_for_every_endpoint(resul
         if seed < 3:
             write_run("ada_official", seed, [1.0, 0.6, 0.5], base)                      # 200 steps in all
             write_run("mezo_lora", seed, [1.0, 0.6] + [0.5] * 6, base)
-    text = claims_report.report("cpu_zo_claims", results / "results").read_text()
+    text = claims.report("cpu_zo_claims", results / "results").read_text()
     assert ("(b) stability, `ada_official` vs `tt_q1`: **confirmed (interim: `ada_official` 3 of 4 seeds)**: "
             "unstable 0/3 vs 4/4 (one-sided Fisher p = 0.029)") in text
     assert "(a) speed, `ada_official`: **refuted (interim: `ada_official` 3 of 4 seeds, `mezo_lora` 3 of 4 seeds)**" in text
@@ -129,7 +130,7 @@ def test_the_constant_arm_is_judged_at_the_adaptive_arms_step_count_seed_by_seed
         write_run("ada_official", seed, [1.0, 0.6, 0.5, 0.5], base)
         write_run("ada_paper", seed, [1.0, 0.6, 0.5, 0.5], base)
         write_run("mezo_lora", seed, [1.0, 0.6, 0.5, 0.5], base)
-    text = claims_report.report("cpu_zo_claims", results / "results").read_text()
+    text = claims.report("cpu_zo_claims", results / "results").read_text()
     assert ("Stopped at the same seed's `ada_official` step count, `tt_q1` would end at final / best dev loss "
             "1.000-1.600 and be unstable at 2 of 4 seeds: fewer steps alone would give the difference at the other "
             "2.") in text
@@ -141,7 +142,7 @@ def test_a_drifted_reference_and_a_ratio_of_exactly_a_third_are_pointed_out(resu
     base = (np.random.default_rng(4).random(50) < 0.7).astype(float)
     write_run("mezo_lora", 0, [1.0, 0.9, 0.8, 0.5, 0.75, 0.75, 0.75], base)  # best 0.5, "plateau" 0.75: 1.5x
     write_run("ada_official", 0, [1.0, 0.7, 0.6], base)                        # reaches 0.75 at 200 forwards
-    text = claims_report.report("cpu_zo_claims", results / "results").read_text()
+    text = claims.report("cpu_zo_claims", results / "results").read_text()
     assert "| ada_official | 0 | 0.7500 | 1.50 | 600 | 200 | 0.33 |" in text
     assert ("At seed 0 `mezo_lora`'s last 3 evaluations average 1.50x its best dev loss: the target is a level it "
             "drifted back up to, which it first passed on its way down, not a plateau.") in text
@@ -165,7 +166,7 @@ def test_the_speed_follow_up_targets_the_references_best_and_counts_a_third_exac
         write_run("ada_paper", seed, [1.0, 0.6, 0.49], base, experiment="cpu_zo_speed")         # 400: r = 2/3
         write_run("tt_q1", seed, [1.0, 0.6, 0.6, 0.6] if seed < 6 else [1.0, 0.4], base,       # never / 200
                   experiment="cpu_zo_speed")
-    text = claims_report.report("cpu_zo_speed", results / "results").read_text()
+    text = claims.report("cpu_zo_speed", results / "results").read_text()
     assert "Target per seed: `mezo_lora`'s best dev loss" in text and "the claim: r <= 1/3." in text
     assert "| ada_official | 4 | 0.5000 | 1.00 | 600 | 200 | 0.33 |" in text
     assert "(a) speed, `ada_official`: **confirmed**: r <= 1/3 at 4 of 4 seeds (one-sided sign test p = 0.062" in text
@@ -177,11 +178,11 @@ def test_the_speed_follow_up_targets_the_references_best_and_counts_a_third_exac
 
 
 def test_a_speed_target_other_than_plateau_or_best_or_a_bad_fraction_is_refused(results):
-    with pytest.raises(SystemExit, match="endpoints.speed.target is 'last'; use plateau or best"):
-        claims_report.speed({}, {"reference": "mezo_lora", "arms": [], "target": "last", "max_ratio": [1, 3]})
+    with pytest.raises(ConfigError, match="endpoints.speed.target is 'last'; use plateau or best"):
+        claims.speed({}, {"reference": "mezo_lora", "arms": [], "target": "last", "max_ratio": [1, 3]})
     for bad in ([1, 0], [1, 3, 5], [0.5, 1], [-1, 3]):
-        with pytest.raises(SystemExit, match=r"max_ratio is .*; write a fraction as \[numerator, denominator\]"):
-            claims_report.speed({}, {"reference": "mezo_lora", "arms": [], "max_ratio": bad})
+        with pytest.raises(ConfigError, match=r"max_ratio is .*; write a fraction as \[numerator, denominator\]"):
+            claims.speed({}, {"reference": "mezo_lora", "arms": [], "max_ratio": bad})
 
 
 def test_unpaired_runs_are_refused(results):
@@ -190,13 +191,13 @@ def test_unpaired_runs_are_refused(results):
     write_run("mezo_lora", 1, [1.0, 0.5], (rng.random(10) < 0.5).astype(float))
     other = Job("mezo_lora", 1e-3, 1, "cpu_zo_claims", []).run_dir / "predictions" / "test.csv"
     other.write_text(other.read_text().replace(",1000,", ",9999,"))
-    with pytest.raises(SystemExit, match="not paired"):
-        claims_report.report("cpu_zo_claims", results / "results")
+    with pytest.raises(ConfigError, match="not paired"):
+        claims.report("cpu_zo_claims", results / "results")
 
 
 def test_the_readme_cpu_zo_table_is_the_reports():
     """The README's cpu_zo numbers are checked against results/tables/cpu_zo_report.md, which is generated from
-    the committed run files (python -m adazeta.tools.cpu_zo_report)."""
+    the committed run files (make report NAME=cpu_zo: studies/cpu_zo/report.py)."""
     import re
 
     report = (ROOT / "results" / "tables" / "cpu_zo_report.md").read_text()
@@ -288,10 +289,10 @@ def test_a_damaged_run_record_stops_the_report_with_one_line_naming_it(results):
     write_run("mezo_lora", 0, [1.0, 0.6, 0.5], np.ones(20))
     damaged = Job("mezo_lora", DESIGN.arms["mezo_lora"].lrs[0], 0, "cpu_zo_claims", []).run_dir / "result.json"
     damaged.write_text('{"status": "finished", "dev_accur')
-    out = subprocess.run([sys.executable, "-m", "adazeta.tools.claims_report", "cpu_zo_claims", "--out",
+    out = subprocess.run([sys.executable, "-m", "adazeta.tools.study_report", "cpu_zo_claims", "--out",
                           str(results / "out")], cwd=results, env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
                          capture_output=True, text=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [
-        f"claims_report: error: {damaged.resolve()} is not a run record (Unterminated string starting at: line 1 "
+        f"study_report: error: {damaged.resolve()} is not a run record (Unterminated string starting at: line 1 "
         "column 24 (char 23)); rerun that run (force=true) or move its folder away"]

@@ -96,7 +96,7 @@ def test_every_tool_is_listed_and_no_command_is_left_in_the_library():
     library keeps, so a new bench, report or driver lands in tools/."""
     tools = {p.stem for p in TOOLS.glob("*.py") if p.stem != "__init__"} | {
         p.name for p in TOOLS.iterdir() if (p / "__init__.py").is_file()}
-    assert {"bench", "experiment", "make_tables", "claims_report"} <= tools
+    assert {"bench", "experiment", "make_tables", "study_report", "endpoints"} <= tools
     listed = set(re.findall(r"^    (\w+) ", adazeta.tools.__doc__, re.MULTILINE))
     assert tools == listed, f"tools/ holds {sorted(tools - listed)} not listed, lists {sorted(listed - tools)} absent"
     commands = {p.stem for p in PACKAGE.glob("*.py") if re.search(r"^if __name__ == .__main__.:", p.read_text(), re.M)}

@@ -1,4 +1,4 @@
-"""adazeta.tools.matrix_report on hand-made runs of cpu_table2: the table with its calibrated row and the paper's
+"""The task-matrix endpoints (adazeta.tools.endpoints.matrix) on hand-made runs of cpu_table2: the table with its calibrated row and the paper's
 numbers, the endpoints' verdicts from the two-level bootstrap, the equal-time reading, and a figure per task."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adazeta.tools import matrix_report
+from adazeta.tools.endpoints import matrix
 
 EXAMPLES = 300
 
@@ -53,7 +53,7 @@ def runs(tmp_path):
 
 def test_the_matrix_report_fills_the_table_and_judges_the_endpoints(runs, tmp_path):
     tables, figures = tmp_path / "tables", tmp_path / "figures"
-    text = matrix_report.report("cpu_table2", runs, Path("results/paper_numbers.csv"), tables, figures)
+    text = matrix.report("cpu_table2", runs, Path("results/paper_numbers.csv"), tables, figures)
     table = (tables / "cpu_table2.md").read_text()
     # the calibrated row takes, per task, the calibration with the higher dev accuracy (never test)
     assert "calibrated: per task, whichever of zero_shot_cc, zero_shot_prior" in table
@@ -91,4 +91,4 @@ def test_an_experiment_without_matrix_endpoints_is_refused_in_one_line(tmp_path)
     from adazeta.errors import ConfigError
 
     with pytest.raises(ConfigError, match="declares no task-matrix endpoints"):
-        matrix_report.report("cpu_zo_claims", tmp_path, Path("results/paper_numbers.csv"), tmp_path, None)
+        matrix.report("cpu_zo_claims", tmp_path, Path("results/paper_numbers.csv"), tmp_path, None)

@@ -1,4 +1,4 @@
-"""adazeta.tools.optimizers_report on hand-made run files: lr chosen on dev, shares, the goal, Holm-adjusted tests."""
+"""The optimizer-comparison endpoints (adazeta.tools.endpoints.optimizers) on hand-made run files: lr chosen on dev, shares, the goal, Holm-adjusted tests."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from adazeta.tools import optimizers_report
+from adazeta.tools.endpoints import optimizers
 from adazeta.tools.experiment import Job
 from helpers import ROOT, study_pages
 
@@ -52,8 +52,8 @@ def results(tmp_path, monkeypatch):
 
 
 def test_holm_is_step_down_and_monotone():
-    assert optimizers_report.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
-    assert optimizers_report.holm([0.5]) == [0.5]
+    assert optimizers.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert optimizers.holm([0.5]) == [0.5]
 
 
 def test_the_report_reads_each_arm_at_its_dev_chosen_lr(results):
@@ -71,7 +71,7 @@ def test_the_report_reads_each_arm_at_its_dev_chosen_lr(results):
         for seed in CONFIG["design"]["seeds"] if lr == 3e-5 else [0]:
             accs = [0.6, 0.7] + [0.8 if lr == 3e-5 else 0.65] * 9
             write_run("tt_zo_adam", lr, seed, fast, accs, better)
-    path = optimizers_report.report(NAME, results / "results")
+    path = optimizers.report(NAME, results / "results")
     text = path.read_text()
     assert "| tt_zo_sgd | 0.0003 | finished | " in text and "| tt_zo_adam | 3e-05 | finished |" in text
     assert "| tt_zo_adam | 3 | 0.20, 0.20, 0.20 | 0.20 [0.20, 0.20] |" in text  # the shares, per seed and median
@@ -86,7 +86,7 @@ def test_the_report_reads_each_arm_at_its_dev_chosen_lr(results):
             accs = [0.6 + 0.01 * i for i in range(11)] if arm == "tt_zo_sgd" else [0.6, 0.7] + [0.8] * 9
             shutil.rmtree(Job(arm, lr, seed, NAME, []).run_dir)
             write_run(arm, lr, seed, losses, accs, correct, cpu="CPU B" if (arm, seed) == ("tt_zo_adam", 2) else "CPU A")
-    text = optimizers_report.report(NAME, results / "results").read_text()
+    text = optimizers.report(NAME, results / "results").read_text()
     assert "ran on 2 CPUs" in text and "By arm: CPU A: tt_zo_sgd; both: tt_zo_adam (seed 0 CPU A, seed 1 CPU A, " \
         "seed 2 CPU B)." in text
     # equal training time: 0.5 s a step of 2 forwards; at 2 min the last evaluation is at step 200 (400 forwards),
@@ -108,7 +108,7 @@ def test_the_report_says_which_rows_pair_unequal_seeds(results):
             write_run("tt_zo_sgd", lr, seed, [1.0, 0.8, 0.6], [0.6, 0.65, 0.7 if lr == 3e-4 else 0.65], correct)
     for lr in CONFIG["arms"]["tt_es"]["lr"]:
         write_run("tt_es", lr, 0, [1.0, 0.9, 0.8], [0.6, 0.6, 0.6 + lr], correct)
-    text = optimizers_report.report(NAME, results / "results").read_text()
+    text = optimizers.report(NAME, results / "results").read_text()
     assert "Interim, seeds still to run: `tt_es` 1 against `tt_zo_sgd`'s 3." in text
 
 
@@ -118,12 +118,12 @@ def test_the_report_names_a_rate_chosen_at_an_end_of_its_grid(results):
     for lr in lrs:  # the highest rate learns most: the best rate may lie beyond the grid
         accs = [0.55] + [0.55 + (0.2 if lr == max(lrs) else 0.01)] * 10
         write_run("tt_zo_sign", lr, 0, [1.0 - 0.01 * i for i in range(11)], accs, correct)
-    text = optimizers_report.report(NAME, results / "results").read_text()
+    text = optimizers.report(NAME, results / "results").read_text()
     assert "mixed versions" not in text and text.count("| abcdef0 |") == len(lrs) + 1  # the grid and the arm row
     record = Job("tt_zo_sign", min(lrs), 0, NAME, []).run_dir / "result.json"
     record.write_text(record.read_text().replace('"commit": "abcdef0123", "dirty": false',
                                                  '"commit": "0123456789", "dirty": true'))
-    text = optimizers_report.report(NAME, results / "results").read_text()
+    text = optimizers.report(NAME, results / "results").read_text()
     assert f"| tt_zo_sign | {min(lrs):g} | finished | 56.0 |" in text and "| 0123456+dirty |" in text
     assert "come from 2 code versions (0123456+dirty, abcdef0): **mixed versions**" in text
     assert f"| tt_zo_sign | {max(lrs):g} | finished | 75.0 |" in text and "| **yes** (highest point) |" in text
@@ -207,9 +207,9 @@ def test_the_readme_displacement_figures_are_the_committed_measurements():
 
 
 def test_within_a_margin_reads_the_whole_interval():
-    assert optimizers_report.within(-0.04, 0.01, 5) == "confirmed"      # -4 .. +1 points: above -5
-    assert optimizers_report.within(-0.09, -0.06, 5) == "refuted"       # entirely below -5
-    assert optimizers_report.within(-0.07, -0.02, 5) == "unresolved"    # straddles -5
+    assert optimizers.within(-0.04, 0.01, 5) == "confirmed"      # -4 .. +1 points: above -5
+    assert optimizers.within(-0.09, -0.06, 5) == "refuted"       # entirely below -5
+    assert optimizers.within(-0.07, -0.02, 5) == "unresolved"    # straddles -5
 
 
 def test_the_follow_up_reports_its_margin_its_twins_and_each_grids_spread(results):
@@ -236,7 +236,7 @@ def test_the_follow_up_reports_its_margin_its_twins_and_each_grids_spread(result
         for seed in config["design"]["seeds"] if point == sign_lrs[1] else [0]:
             write_run("tt_zo_sign", point, seed, [1.0] + [dev] * 10,
                       [0.55] + [0.6 if point == sign_lrs[1] else 0.56] * 10, worse, name=name)
-    text = optimizers_report.report(name, results / "results").read_text()
+    text = optimizers.report(name, results / "results").read_text()
     assert "| tt_zo_sign | tt_zo_sgd | -29.9 [" in text
     row = next(line for line in text.splitlines() if line.startswith("| tt_zo_sign | tt_zo_sgd |"))
     assert row.rstrip().endswith("| refuted |")  # 30 points worse: outside the 5-point margin
@@ -251,11 +251,11 @@ def test_the_follow_up_reports_its_margin_its_twins_and_each_grids_spread(result
     twin.write_text(json.dumps({**json.loads(twin.read_text()), "device": {"type": "cpu", "name": "Other CPU"}}))
     here = Job("tt_zo_sgd", lr, 1, name, []).run_dir / "result.json"
     here.write_text(json.dumps({**json.loads(here.read_text()), "device": {"type": "cpu", "name": "This CPU"}}))
-    text = optimizers_report.report(name, results / "results").read_text()
+    text = optimizers.report(name, results / "results").read_text()
     assert "| 1.00e-03 | 1 | This CPU / Other CPU | no (CPUs differ) |" in text
     assert "need not match to the bit" in text
     # the parent experiment's report has neither the margin column nor a reproduction section
-    parent = optimizers_report.report(NAME, results / "results").read_text()
+    parent = optimizers.report(NAME, results / "results").read_text()
     assert "within 5 points?" not in parent and "## Reproduction" not in parent
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from adazeta.errors import ConfigError
 from adazeta.tools import study_report
+from adazeta.tools.endpoints import declared
 from adazeta.tools.experiment import Job
 
 NAME = "cpu_zo_adaptive_lr"
@@ -76,6 +77,45 @@ def test_an_interim_verdict_says_which_seeds_are_missing_and_a_bad_test_is_one_l
 
     config, design = experiment.load(NAME)
     config["endpoints"]["list"] = [{"id": "X", "test": "speed"}]
-    monkeypatch.setattr(study_report, "load_experiment", lambda name: (config, design))
+    monkeypatch.setattr(declared, "load_experiment", lambda name: (config, design))
     with pytest.raises(ConfigError, match="endpoint 'X' has test 'speed'; known: difference, chosen_lr, stability"):
         study_report.report(NAME, runs / "out")
+
+
+def test_one_report_reads_every_committed_studys_endpoints_by_their_form():
+    """Every experiment with an ``endpoints:`` block is read by the one report, in the form it was registered."""
+    from adazeta.experiments import compose_experiment
+    from adazeta.tools import endpoints
+    from helpers import ROOT
+
+    forms = {}
+    for path in sorted((ROOT / "conf" / "experiment").glob("*.yaml")):
+        ends = compose_experiment(path.stem).get("endpoints") or {}
+        if ends:
+            forms[path.stem] = endpoints.form(ends)
+    assert forms["cpu_zo_claims"] == forms["cpu_zo_speed"] == "claims"
+    assert forms["cpu_zo_optimizers"] == forms["cpu_zo_optimizers_lora_recentred"] == "optimizers"
+    assert forms["cpu_zo_prompt"] == forms["cpu_zo_adaptive_lr"] == "declared"
+    assert forms["cpu_table2"] == "matrix"
+    assert set(forms.values()) <= set(endpoints.FORMS)
+    assert "cpu_zo" not in forms and (ROOT / "studies" / "cpu_zo" / "report.py").is_file()  # its own report
+
+
+@pytest.mark.parametrize("ends, words", [
+    ({"kind": "bayes"}, "endpoints.kind 'bayes' has no report; use declared"),
+    ({"margin": 3}, "endpoints declares margin, none of which a report reads; write `kind: declared`"),
+])
+def test_an_endpoints_block_no_report_reads_is_one_line(ends, words):
+    from adazeta.tools import endpoints
+
+    with pytest.raises(ConfigError, match=words):
+        endpoints.form(ends)
+
+
+def test_a_study_without_endpoints_runs_the_report_beside_its_page(runs, monkeypatch):
+    """cpu_zo declares no endpoints: the one report runs studies/cpu_zo/report.py, which is not in the package."""
+    script = runs / "studies" / "cpu_zo" / "report.py"
+    script.parent.mkdir(parents=True)
+    script.write_text("import sys, pathlib\npathlib.Path('ran.txt').write_text(' '.join(sys.argv[1:]))\n")
+    assert study_report.report("cpu_zo", runs / "out") is None
+    assert (runs / "ran.txt").read_text() == "--experiment cpu_zo"

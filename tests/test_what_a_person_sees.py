@@ -14,7 +14,7 @@ from adazeta import tracking
 from adazeta.errors import ConfigError
 from adazeta.run import run
 from adazeta.tracking import Progress
-from helpers import compose_cfg, tiny_overrides
+from helpers import compose_cfg, study_script, tiny_overrides
 
 
 def run_cli(monkeypatch, capsys, args: list[str]) -> tuple[int, str, str]:
@@ -306,7 +306,7 @@ def test_each_method_keeps_one_colour_of_its_own_in_every_chart():
 
 
 def test_a_diverged_run_does_not_set_the_loss_scale(monkeypatch, tmp_path):
-    from adazeta.tools import cpu_zo_report
+    cpu_zo_report = study_script("cpu_zo")
     from adazeta.plots import convergence_figure
 
     fig = convergence_figure([_run("mezo_lora", [1.0, 0.8, 0.7]), _run("mezo", [1.0, 0.9, 0.8]),

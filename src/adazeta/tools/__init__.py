@@ -12,13 +12,11 @@ Drivers (launch runs through ``adazeta-run``):
 Reports (read result files, write tables and figures):
     make_tables        results/tables from results/runs, dev-selected, the paper's numbers beside (make tables)
     make_figures       convergence curves, memory bars, one run's curves (make figures)
-    matrix_report      a task-matrix experiment's table, endpoints, budgets, cost and figures (make tables)
-    report             a study's report by the engine its endpoints need, then the tables (make report NAME=...)
-    study_report       a study's declared predictions (differences, chosen rates, stability) and their verdicts
+    study_report       a study's report from the endpoints its config declares, then the tables (make report
+                       NAME=...); the tests it runs are in ``endpoints`` (declared predictions, task matrix,
+                       claims, optimizer comparisons), each reading runs through ``endpoints.runs``
+    endpoints          the endpoint tests a study declares: a package of the forms above, read by study_report
     config_reference   the docs' generated pages: every config key described, optimizers, tasks (make docs)
-    cpu_zo_report      the cpu_zo experiment's table, figures and verdicts (make report NAME=cpu_zo)
-    claims_report      a pre-registered claims experiment's endpoints and verdicts (make report NAME=cpu_zo_claims)
-    optimizers_report  the pre-registered ZO optimizer comparison's endpoints (make report NAME=cpu_zo_optimizers)
     twins              does a run reproduce another: dev curve, training log, test predictions, commits and CPUs
 
 Benches and instruments (build runs as ``adazeta-run`` would, then measure):

@@ -17,6 +17,7 @@ does not match is reported as such: it says nothing about the code; a same-CPU p
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import sys
 from dataclasses import dataclass
@@ -25,7 +26,16 @@ from pathlib import Path
 from adazeta.errors import ConfigError
 from adazeta.record import read_record
 from adazeta.tools import one_line_errors
-from adazeta.tools.cpu_zo_report import read_csv
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    """A CSV file's rows as dicts; [] when the file is missing (a run that wrote none)."""
+    try:
+        with open(path) as f:
+            return list(csv.DictReader(f))
+    except OSError:
+        return []
+
 
 TRAINING = ("loss", "n_queries", "forward_passes", "param_norm")  # a step's logged values that a replay repeats
 

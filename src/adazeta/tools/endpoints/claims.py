@@ -1,172 +1,28 @@
-"""The report of a pre-registered claims experiment (``cpu_zo_claims``): each endpoint's verdict with its test.
-
-Over 400 lines: one report, each endpoint's test beside its table (optimizers_report reuses them).
-
-    python -m adazeta.tools.claims_report [cpu_zo_claims] [--out results]
+"""The claims endpoints (``speed``, ``stability``, ``accuracy`` in an ``endpoints:`` block, as ``cpu_zo_claims``
+and ``cpu_zo_speed`` declare them): forwards to a target against a reference arm, stability at equal steps and at
+equal forwards, paired test accuracy with a margin, and the paper's own baselines; each verdict beside its table.
 
 Reads only the run files under results/runs/<experiment>/ (result.json, eval.csv, metrics.csv,
-predictions/test.csv) and the experiment's config (its ``endpoints`` block: the decision rules committed before
-the first run), and writes <out>/tables/<experiment>_report.md and <out>/figures/<experiment>_curves.png.
-Whatever has not run yet is reported as missing and its endpoint as unresolved, so the report can be made at any
-point of the experiment. Test is read only at each run's best-dev state; nothing here selects on it.
+predictions/test.csv) and the experiment's config (the decision rules committed before the first run), and writes
+<out>/tables/<experiment>_report.md and <out>/figures/<experiment>_curves.png. Whatever has not run yet is reported
+as missing and its endpoint as unresolved, so the report can be made at any point of the experiment. Test is read
+only at each run's best-dev state; nothing here selects on it.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from adazeta.tools import one_line_errors, twins
 from adazeta import stats
-from adazeta.record import read_record
-from adazeta.tools.cpu_zo_report import read_csv
+from adazeta.errors import ConfigError
 from adazeta.experiments import Design
-from adazeta.tools.experiment import Job
+from adazeta.tools.endpoints.runs import (
+    MISSING, CONFIRMED, REFUTED, UNRESOLVED, Run, load_runs, planned, correctness, fmt, fmt_p, p_is, first_at_or_below, interim, cpu_note,
+)
 from adazeta.tools.experiment import load as load_experiment
-
-MISSING = "—"
-CONFIRMED, REFUTED, UNRESOLVED = "confirmed", "refuted", "unresolved"
-
-
-@dataclass
-class Point:
-    step: int
-    forwards: float
-    wall_s: float  # training time up to this evaluation (the steps' own time; evaluations not counted)
-    loss: float
-    accuracy: float
-
-
-@dataclass
-class Run:
-    arm: str
-    seed: int
-    rec: dict
-    curve: list[Point] = field(default_factory=list)
-    test_rows: list[str] = field(default_factory=list)  # source rows of the test examples, in order
-    test_correct: np.ndarray | None = None
-
-    @property
-    def unstable_reason(self) -> str | None:
-        """Why this run counts as unstable (the divergence rule stopped it, or late drift), else None."""
-        if self.rec.get("status") == "diverged":
-            return "diverged: " + str(self.rec.get("reason"))
-        return None
-
-    def seconds_per_forward(self) -> float:
-        """Training seconds per forward pass up to the last evaluation (evaluations excluded); nan without one."""
-        last = self.curve[-1] if self.curve else None
-        return last.wall_s / last.forwards if last and last.forwards else math.nan
-
-    def code(self) -> str:
-        """The commit the run ran from (7 characters), with ``+dirty`` where its tree had uncommitted changes."""
-        return twins.commit(self.rec)
-
-    def drift(self, until: float = math.inf) -> float:
-        """Final / best dev loss over the run's evaluations (those up to step ``until``: the run as if it had
-        stopped there)."""
-        losses = [p.loss for p in self.curve if p.step <= until and not math.isnan(p.loss)]
-        return losses[-1] / min(losses) if losses else math.nan
-
-    def stopped_by(self, step: float) -> bool:
-        """Whether the divergence rule had stopped the run by ``step``."""
-        return self.rec.get("status") == "diverged" and bool(self.curve) and self.curve[-1].step <= step
-
-
-def load_run(arm: str, seed: int, run_dir: Path) -> Run | None:
-    rec = read_record(run_dir)
-    if rec is None or rec.get("status") not in ("finished", "diverged"):
-        return None
-    forwards, wall, total = {0: 0}, {0: 0.0}, 0.0
-    for r in read_csv(run_dir / "metrics.csv"):
-        total += float(r["step_time_s"])
-        forwards[int(r["step"])], wall[int(r["step"])] = int(r["forward_passes"]), total
-    curve = [Point(int(r["step"]), forwards.get(int(r["step"]), math.nan), wall.get(int(r["step"]), math.nan),
-                   float(r["loss"]), float(r["accuracy"]))
-             for r in read_csv(run_dir / "eval.csv") if r["split"] == "dev"]
-    rows = read_csv(run_dir / "predictions" / "test.csv")
-    correct = np.array([float(r["correct"]) for r in rows]) if rows else None
-    return Run(arm, seed, rec, curve, [r["row"] for r in rows], correct)
-
-
-def cpu_note(runs: dict[str, dict[int, Run]]) -> str:
-    """Which CPUs the runs ran on: times compare only within one CPU (the machines here differ 3-4x in speed)."""
-    by_cpu: dict[str, list[str]] = {}
-    for arm, seeds in runs.items():
-        for seed, run in sorted(seeds.items()):
-            by_cpu.setdefault(twins.cpu(run.rec), []).append(f"{arm} {seed}")
-    if len(by_cpu) <= 1:
-        return f"every run on {next(iter(by_cpu), 'one CPU')}"
-    return ("runs on several CPUs, whose times do not compare: " +
-            "; ".join(f"{cpu}: {', '.join(runs_)}" for cpu, runs_ in sorted(by_cpu.items())))
-
-
-def load_runs(name: str, design: Design) -> dict[str, dict[int, Run]]:
-    out: dict[str, dict[int, Run]] = {}
-    for arm, spec in design.arms.items():
-        out[arm] = {}
-        for seed in design.seeds:
-            if not spec.runs_at(seed):
-                continue
-            run = load_run(arm, seed, Job(arm, spec.lrs[0], seed, name, []).run_dir)
-            if run is not None:
-                out[arm][seed] = run
-    return out
-
-
-def planned(design: Design, arm: str) -> list[int]:
-    return [s for s in design.seeds if design.arms[arm].runs_at(s)]
-
-
-def correctness(runs: dict[int, Run]) -> tuple[np.ndarray | None, list[str]]:
-    """(seeds x examples) test correctness of an arm's runs with predictions, and their rows (checked equal)."""
-    kept = [r for _, r in sorted(runs.items()) if r.test_correct is not None]
-    if not kept:
-        return None, []
-    rows = kept[0].test_rows
-    for r in kept[1:]:
-        if r.test_rows != rows:
-            raise SystemExit(f"claims_report: {r.arm} seed {r.seed} was tested on other examples than seed "
-                             f"{kept[0].seed}: its runs are not paired (data.seed must be fixed)")
-    return np.stack([r.test_correct for r in kept]), rows
-
-
-def fmt(x: float, digits: int = 3) -> str:
-    return MISSING if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
-
-
-def fmt_p(p: float) -> str:
-    if p is None or math.isnan(p):
-        return MISSING
-    return "< 0.001" if p < 0.001 else f"{p:.3f}"
-
-
-def p_is(p: float) -> str:
-    """``p = 0.012`` or ``p < 0.001`` in a sentence."""
-    text = fmt_p(p)
-    return "p " + text if text.startswith("<") else "p = " + text
-
-
-# --- endpoints -------------------------------------------------------------------------------------------------
-
-
-def first_at_or_below(curve: list[Point], target: float) -> float:
-    for p in curve:
-        if p.loss <= target + 1e-9:  # the target is a mean of the reference's own losses: float rounding
-            return p.forwards
-    return math.inf
-
-
-def interim(runs: dict[str, dict[int, Run]], arms: list[str], plan: dict[str, int] | None) -> str:
-    """' (interim: `arm` n of m seeds, ...)' for the arms of a verdict with seeds still to run; '' when none."""
-    missing = {arm: (len(runs.get(arm, {})), plan[arm]) for arm in arms
-               if plan and len(runs.get(arm, {})) < plan.get(arm, 0)}
-    return (" (interim: " + ", ".join(f"`{a}` {n} of {m} seeds" for a, (n, m) in missing.items()) + ")"
-            if missing else "")
 
 
 # A reference whose last evaluations sit this far above its best has drifted: its "plateau" is not one (the same
@@ -179,7 +35,7 @@ def ratio_limit(value) -> tuple[float, tuple[int, int] | None, str]:
     forward counts (F_arm * den <= F_ref * num), so that "at most 1/3" includes 1/3. (value, fraction, as text)."""
     if isinstance(value, (list, tuple)):
         if len(value) != 2 or not all(isinstance(v, int) for v in value) or value[0] < 0 or value[1] <= 0:
-            raise SystemExit(f"claims_report: endpoints.speed.max_ratio is {list(value)}; write a fraction as "
+            raise ConfigError(f"endpoints.speed.max_ratio is {list(value)}; write a fraction as "
                              "[numerator, denominator] with whole numbers and a positive denominator, e.g. [1, 3]")
         num, den = value
         return num / den, (num, den), f"{num}/{den}"
@@ -197,7 +53,7 @@ def speed(runs: dict[str, dict[int, Run]], cfg: dict,
     limit, fraction, limit_text = ratio_limit(cfg["max_ratio"])
     kind = cfg.get("target", "plateau")
     if kind not in ("plateau", "best"):
-        raise SystemExit(f"claims_report: endpoints.speed.target is {kind!r}; use plateau or best")
+        raise ConfigError(f"endpoints.speed.target is {kind!r}; use plateau or best")
     what = (f"the mean of `{ref}`'s last {k} dev losses (its plateau, on the same dev set)" if kind == "plateau" else
             f"`{ref}`'s best dev loss (the lowest of its evaluations, on the same dev set; a run the divergence rule "
             "stopped keeps the best it reached)")
@@ -330,7 +186,7 @@ def compare(a: Run | dict[int, Run], b: dict[int, Run], n_boot: int) -> dict | N
     if ca is None or cb is None:
         return None
     if rows_a != rows_b:
-        raise SystemExit("claims_report: two arms were tested on different examples: not a paired comparison")
+        raise ConfigError("two arms were tested on different examples: not a paired comparison")
     boot = stats.paired_bootstrap(ca, cb, n_boot=n_boot)
     shared = sorted(set(a) & set(b))
     if len(cb) == 1:  # a training-free baseline (one seed): every seed of a is paired with its one row
@@ -490,7 +346,7 @@ def report(name: str, out: Path) -> Path:
     config, design = load_experiment(name)
     ends = config.get("endpoints")
     if not ends:
-        raise SystemExit(f"claims_report: experiment {name} declares no `endpoints:`; it is not a claims experiment")
+        raise ConfigError(f"experiment {name} declares no `endpoints:`; it is not a claims experiment")
     alpha, n_boot = float(ends.get("alpha", 0.05)), int(ends.get("bootstrap", 10000))
     runs = load_runs(name, design)
     zo = [ends["speed"]["reference"], *ends["speed"]["arms"]]  # the arms on the forward-pass budget
@@ -504,7 +360,7 @@ def report(name: str, out: Path) -> Path:
     text = [
         f"# {name}: the pre-registered test of AdaZeta's claims",
         "",
-        f"Generated by `python -m adazeta.tools.claims_report {name}` from the run files; design and decision rules: "
+        f"Generated by `make report NAME={name}` (`python -m adazeta.tools.study_report`) from the run files; design and decision rules: "
         f"`conf/experiment/{name}.yaml` (committed before the first run). SmolLM2-135M, SST-2, one data sample "
         f"(data.seed {config['data']['seed']}: {config['data']['num_train']} train, {config['data']['num_dev']} dev, "
         f"{config['data']['num_eval']} test), seeds {seeds}, budget {budget} forward passes for every ZO arm, dev every "
@@ -554,16 +410,3 @@ def report(name: str, out: Path) -> Path:
     path.write_text("\n".join(text))
     figure(runs, zo, out / "figures" / f"{name}_curves.png")
     return path
-
-
-@one_line_errors
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("experiment", nargs="?", default="cpu_zo_claims")
-    parser.add_argument("--out", type=Path, default=Path("results"))
-    args = parser.parse_args()
-    print(report(args.experiment, args.out))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,9 @@
-"""The cpu_zo experiment's report: lr grids, chosen settings, curves against forward passes, the claims' verdicts.
+"""The cpu_zo study's own report: lr grids, chosen settings, curves against forward passes, the claims' verdicts.
 
-    python -m adazeta.tools.cpu_zo_report [--experiment cpu_zo] [--target 0.75]
+    make report NAME=cpu_zo          (python studies/cpu_zo/report.py [--experiment cpu_zo] [--target 0.75])
+
+The first study, run before studies declared their endpoints: its report lives here, beside its page, not in the
+package (``adazeta.tools.study_report`` runs it for a study that declares no endpoints).
 
 Reads results/runs/<experiment>/ and <experiment>_stress/ (result.json, eval.csv, metrics.csv of each run) and
 writes results/tables/<experiment>_report.md and results/figures/<experiment>.png, all under the current
@@ -12,27 +15,19 @@ point of the experiment.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import statistics
 from pathlib import Path
 
 
 from adazeta.tools import one_line_errors
+from adazeta.tools.twins import read_csv
 from adazeta import stats
 from adazeta.record import read_record
 from adazeta.tools.experiment import UNDECIDED, Job, chosen_lr
 from adazeta.tools.experiment import load as load_experiment
 
 MISSING = "—"
-
-
-def read_csv(path: Path) -> list[dict[str, str]]:
-    try:
-        with open(path) as f:
-            return list(csv.DictReader(f))
-    except OSError:
-        return []
 
 
 def load(run_dir: Path) -> dict | None:
@@ -213,7 +208,7 @@ def main() -> None:
     lines = [
         f"# {name}: SmolLM2-135M on SST-2, {budget} forward passes per ZO run",
         "",
-        f"Made by `python -m adazeta.tools.cpu_zo_report` from results/runs/{name}/ "
+        f"Made by `make report NAME={name}` (studies/{name}/report.py) from results/runs/{name}/ "
         f"(`python -m adazeta.tools.experiment {name}`).",
         f"Learning rates chosen on dev accuracy (200 dev examples; ties: dev loss) at seed {select_seed}; test = the",
         "872 SST-2 validation sentences, read only for the chosen lr. Forward passes count every loss evaluation of",
