@@ -189,21 +189,46 @@ def test_an_icl_run_gives_every_test_prompt_its_own_demonstrations(fixture_data,
     assert all(p.count("\n\n") >= 2 and p == p.lstrip() for p in prompts)
 
 
-def test_mezo_linear_probe_is_logistic_regression_cv_with_the_references_arguments():
+def multinomial_logistic(x, y, c: float, classes: int):
+    """The reference's model written out: softmax regression without intercept, loss sum CE + ||W||^2 / 2C (what
+    LogisticRegressionCV(multi_class="multinomial", fit_intercept=False) minimises at one C), by L-BFGS."""
     import numpy as np
-    from sklearn.linear_model import LogisticRegressionCV
+    from scipy.optimize import minimize
+    from scipy.special import log_softmax
+
+    onehot = np.eye(classes)[y]
+
+    def objective(w):
+        weights = w.reshape(x.shape[1], classes)
+        logp = log_softmax(x @ weights, axis=1)
+        grad = x.T @ (np.exp(logp) - onehot) + weights / c
+        return -(logp * onehot).sum() + (weights ** 2).sum() / (2 * c), grad.ravel()
+
+    fit = minimize(objective, np.zeros(x.shape[1] * classes), jac=True, method="L-BFGS-B",
+                   options={"maxiter": 5000, "gtol": 1e-10, "ftol": 1e-15})
+    return fit.x.reshape(x.shape[1], classes)
+
+
+def test_mezo_linear_probe_is_the_references_multinomial_logistic_regression_cv():
+    """MeZO large_models/trainer.py 281: LogisticRegressionCV(max_iter=5000, fit_intercept=False,
+    multi_class="multinomial", random_state=0, tol=1e-4). On two classes the multinomial model is a binary one at
+    twice the C; the installed scikit-learn (no multi_class) fits binary, so the grid must be doubled."""
+    import numpy as np
 
     from adazeta.probe import ProbeConfig, fit_probe
 
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(120, 6)).astype(np.float32)
-    y = (x[:, 0] + 0.5 * rng.normal(size=120) > 0).astype(int)
-    probe, _ = fit_probe(x, y, x[:10], y[:10], ProbeConfig(variant="mezo"), 2)
-    # MeZO large_models/trainer.py: LogisticRegressionCV(max_iter=5000, fit_intercept=False, random_state=0, tol=1e-4)
-    reference = LogisticRegressionCV(max_iter=5000, fit_intercept=False, random_state=0, tol=1e-4).fit(x, y)
-    assert probe.scaler is None
-    assert np.array_equal(probe.probabilities(x).argmax(1), reference.predict(x))
-    assert probe.C == pytest.approx(float(reference.C_[0]))
+    x = rng.normal(size=(80, 6))
+    y = (x[:, 0] + 1.5 * rng.normal(size=80) > 0).astype(int)
+    probe, grid = fit_probe(x, y, x[:10], y[:10], ProbeConfig(variant="mezo"), 2)
+    assert probe.scaler is None and list(grid) == pytest.approx(np.logspace(-4, 4, 10).tolist())
+    weights = multinomial_logistic(x, y, probe.C, 2)  # the reference's fit at the C it reports
+    assert probe.classifier.coef_[0] == pytest.approx(weights[:, 1] - weights[:, 0], rel=1e-3, abs=1e-6)
+
+    y3 = np.digitize(x[:, 0] + 0.5 * rng.normal(size=80), [-0.4, 0.4])  # three classes: multinomial as it is
+    probe3, _ = fit_probe(x, y3, x[:10], y3[:10], ProbeConfig(variant="mezo"), 3)
+    weights3 = multinomial_logistic(x, y3, probe3.C, 3)
+    assert np.array_equal(probe3.probabilities(x).argmax(1), (x @ weights3).argmax(1))
 
 
 def test_templates_as_mezos():

@@ -33,7 +33,7 @@ class ProbeConfig:
     standardize: bool = True  # z-score with train statistics; LLM hidden states have outlier dimensions
     max_iter: int = 1000
     # project: the C grid above chosen on dev accuracy, standardised features, an intercept. mezo: MeZO's LP
-    # (large_models/trainer.py): LogisticRegressionCV on train alone (10 Cs from 1e-4 to 1e4, 5-fold CV on accuracy,
+    # (large_models/trainer.py): multinomial LogisticRegressionCV on train alone (10 Cs from 1e-4 to 1e4, 5-fold CV,
     # no intercept, no scaling, tol 1e-4, max_iter 5000, random_state 0); dev is not used. MeZO writes the
     # coefficients into the LM head's rows of the label tokens and scores with the LM: for one-token label words the
     # same decisions as the classifier used here. MeZO fits every option token of a multi-token answer; here the
@@ -131,14 +131,24 @@ def fit_probe(
 
 
 def _fit_mezo(x_train: np.ndarray, y_train: np.ndarray, num_classes: int) -> tuple[Probe, dict[float, float]]:
-    """MeZO's probe: ``LogisticRegressionCV(max_iter=5000, fit_intercept=False, random_state=0, tol=1e-4)`` with
-    sklearn's other defaults (Cs=10, 5-fold stratified CV, lbfgs, accuracy), on unscaled train features."""
+    """MeZO's probe: ``LogisticRegressionCV(max_iter=5000, fit_intercept=False, multi_class="multinomial",
+    random_state=0, tol=1e-4)`` with sklearn's other defaults (Cs=10, 5-fold stratified CV, lbfgs, accuracy), on
+    unscaled train features.
+
+    scikit-learn >= 1.8 has no ``multi_class``: on two classes it fits a binary model. A two-class multinomial
+    (W = [w0, w1], penalty ||W||^2 / 2C) has w0 = -w1 at its optimum, so its decision w1 - w0 = 2 w1 is the binary
+    model's at 2C. The binary fit therefore runs on the doubled grid, and C and the grid are reported in the
+    reference's (multinomial) terms.
+    """
     from sklearn.linear_model import LogisticRegressionCV
 
-    clf = LogisticRegressionCV(max_iter=5000, fit_intercept=False, random_state=0, tol=1e-4).fit(x_train, y_train)
-    c = float(np.ravel(clf.C_)[0])
+    scale = 2.0 if len(np.unique(y_train)) == 2 else 1.0
+    cs = np.logspace(-4, 4, 10)  # sklearn's Cs=10
+    clf = LogisticRegressionCV(Cs=scale * cs, max_iter=5000, fit_intercept=False, random_state=0,
+                               tol=1e-4).fit(x_train, y_train)
+    c = float(np.ravel(clf.C_)[0]) / scale
     scores = np.mean(next(iter(clf.scores_.values())), axis=0)  # mean CV accuracy per C
-    return Probe(c, clf, None, num_classes), {float(k): float(v) for k, v in zip(clf.Cs_, scores)}
+    return Probe(c, clf, None, num_classes), {float(k): float(v) for k, v in zip(cs, scores)}
 
 
 def linear_probe(
