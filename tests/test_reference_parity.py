@@ -45,6 +45,20 @@ def test_divergence_rule_none_trains_every_step_as_the_reference_does():
     assert DivergenceMonitor(DivergenceConfig(rule="none", collapse=False)).update(0.69, tied=1.0) is None
 
 
+def test_without_the_collapse_rule_a_collapsed_evaluation_can_be_kept_as_the_reference_keeps_it(fixture_data,
+                                                                                                  tmp_path):
+    """The reference trainers keep the best dev loss whatever the scores look like. Identical candidates tie on
+    every example (every evaluation "collapsed"): with collapse off, the first eligible evaluation is kept."""
+    overrides = ("method=mezo", "train.max_steps=6", "train.select_from=2", "divergence.rule=none",
+                 "task.causal.candidates=[Yes,Yes]")
+    record = run(compose_cfg(tiny_overrides(fixture_data, *overrides, "divergence.collapse=false")), tmp_path / "off")
+    rows = dev_rows(tmp_path / "off")
+    assert {float(r["tied"]) for r in rows} == {1.0} and record["status"] == "finished"
+    assert record["best_step"] == 2  # ties to the earlier, from select_from on
+    record = run(compose_cfg(tiny_overrides(fixture_data, *overrides)), tmp_path / "on")
+    assert record["status"] == "diverged" and "collapsed" in record["reason"]
+
+
 def test_later_added_settings_at_their_old_value_are_the_same_setting():
     from adazeta.tables import setting_id, setting_of
 

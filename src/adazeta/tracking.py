@@ -73,6 +73,7 @@ class DivergenceConfig:
     patience: int = 3
     # A dev evaluation where most examples' candidates all score the same (the residual stream overflowed and
     # the final norm returned zeros) ends the run: its finite loss, ln(#candidates), would look like progress.
+    # Off: no such stop, and a collapsed evaluation can be the kept state (the reference trainers').
     collapse: bool = True
     collapse_fraction: float = 0.5  # share of tied examples that counts as collapsed
 
@@ -109,6 +110,12 @@ class DivergenceMonitor:
     def collapsed(self, tied: float) -> bool:
         """Whether an evaluation with this tied fraction is a collapsed model (see DivergenceConfig.collapse)."""
         return tied >= self.cfg.collapse_fraction
+
+    def keepable(self, tied: float) -> bool:
+        """Whether an evaluation may become the kept state. With ``collapse`` on, a collapsed one never does: its
+        loss (exactly ln #candidates) can be below a high start. With it off, any evaluation can, as in the reference
+        trainers, which keep the best dev loss or metric whatever the scores look like."""
+        return not (self.cfg.collapse and self.collapsed(tied))
 
     def update(self, dev_loss: float, tied: float = 0.0) -> str | None:
         if not math.isfinite(dev_loss):

@@ -400,8 +400,7 @@ class LoopState:
         self.evals.last_forwards = self.forward_passes
         result = self.dev_eval(step)
         cfg = self.cfg
-        # A collapsed model's loss (exactly ln #candidates) can be below a high start: never keep it.
-        if step >= cfg.select_from and not self.monitor.collapsed(result.tied) and (
+        if step >= cfg.select_from and self.monitor.keepable(result.tied) and (
                 self.best_step < cfg.select_from or better(result, self.best, cfg.select_on)):
             self.best, self.best_step = result, step
             self.best_state = trainable_state(self.model) if cfg.keep_best else None
