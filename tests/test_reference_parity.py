@@ -94,6 +94,8 @@ def test_mezo_lora_rank_per_table():
     roberta = settings("experiment=table1_roberta", "method=mezo_lora", "task=sst2").adapter.config
     assert (llama.r, llama.alpha, llama.train_head) == (5, 16, False)
     assert (roberta.r, roberta.alpha, roberta.train_head) == (8, 16, True)
+    # MeZO medium_models/run.py 939-942: --apply_lora (first-order LoRA too) freezes roberta.* without "lora" only
+    assert settings("experiment=table1_roberta", "method=lora", "task=sst2").adapter.config.train_head
 
 
 def roberta_with(method: str):
@@ -269,6 +271,7 @@ def test_table_experiments_select_and_never_stop_as_the_reference():
         ("metric", t1.train.eval_every, "none", False)
     assert (t2.train.select_on, t2.train.select_from, t2.divergence.rule, t2.divergence.collapse) == \
         ("loss", t2.train.eval_every, "none", False)
+    assert t1.guard.stall_checks == t2.guard.stall_checks == 0  # no stall stop in the reference trainers
     ft = settings("experiment=table2_llama", "method=ft", "task=rte")
     assert not ft.train.keep_best  # finetune.sh never evaluates within its 3 epochs: the final model is tested
     assert settings("experiment=table2_llama", "method=lp", "task=rte").probe.variant == "mezo"
