@@ -336,6 +336,24 @@ def test_sst2_from_the_hub_draws_mezos_train_dev_and_test_rows(monkeypatch, seed
     assert [e.row for e in data.dev] == dev_idx
 
 
+def test_a_small_train_split_is_split_as_mezos_run_py_splits_wsc(fixture_data):
+    """MeZO large_models run.py 468-488: sample_subset("train", seed, TRAIN + DEV) = np.random.seed(seed);
+    permutation(n)[:TRAIN + DEV]; dev = the last DEV of it, train the rest. WSC (554 rows, DEV=500 in mezo.sh):
+    54 train, 500 dev. The fixture's 120 RTE rows with DEV=100 are the same case: 20 train, 100 dev."""
+    import numpy as np
+
+    from adazeta.tasks.loaders import DataConfig, load_task
+
+    task = settings("task=rte").task.for_family("causal")
+    data = load_task(task, DataConfig(num_train=1000, num_dev=100, num_eval=8, dir=str(fixture_data),
+                                      dev_at_most_half=False), seed=0)
+    np.random.seed(0)
+    drawn = np.random.permutation(120).tolist()[:1100]
+    assert [e.row for e in data.train] == drawn[:-100] and [e.row for e in data.dev] == drawn[-100:]
+    assert not settings("experiment=table2_llama", "method=mezo", "task=wsc").data.dev_at_most_half
+    assert settings("experiment=cpu_table2", "method=mezo", "task=wsc").data.dev_at_most_half  # unchanged
+
+
 def test_every_fidelity_page_the_configs_and_readme_point_to_exists_and_covers_both_tables():
     import re
     from pathlib import Path

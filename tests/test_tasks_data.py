@@ -192,6 +192,9 @@ def test_split_sizes_follow_mezo():
     assert split_sizes(32, 1000, 500) == (16, 16)  # FewGLUE: dev never takes more than half
     with pytest.raises(ConfigError, match="at least 2"):
         split_sizes(1, 10, 10)
+    assert split_sizes(554, 1000, 500, dev_at_most_half=False) == (54, 500)  # WSC as MeZO's run.py splits it
+    with pytest.raises(ConfigError, match="none is left to train on"):
+        split_sizes(100, 1000, 100, dev_at_most_half=False)
 
 
 def test_kshot_indices_take_k_per_class_disjoint_and_seeded():

@@ -44,7 +44,8 @@ MISSING = "—"
 ADDED_DEFAULTS = {"train.select_on": "loss", "train.select_from": 0, "train.lm_reduction": "example",
                   "method.calibration": "none", "method.adapter.freeze_head": False, "method.adapter.train_head": False,
                   "train.gradient_checkpointing": False, "eval.from": None,
-                  "method.demonstrations.protocol": "shared", "method.optimizer.grad_clip": None}
+                  "method.demonstrations.protocol": "shared", "method.optimizer.grad_clip": None,
+                  "data.dev_at_most_half": True}
 
 
 def setting_of(config: dict[str, Any]) -> dict[str, Any]:

@@ -56,6 +56,9 @@ class DataConfig:
     dir: str | None = None  # local data directory; unset = download from the Hub
     k: int = 16  # masked (LM-BFF) protocol: examples per class, for train and again for dev
     kshot_seed: int = 13  # masked protocol: data seed, one of 13, 21, 42, 87, 100 for the LM-BFF splits
+    # causal protocol, a train split smaller than num_train + num_dev: dev takes at most half of it (FewGLUE), or,
+    # false, all of num_dev from the end of the draw with train the rest (MeZO run.py: WSC's 554 rows train on 54)
+    dev_at_most_half: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_train", "num_dev", "num_eval", "k"):
@@ -453,14 +456,19 @@ def sample_indices(n: int, k: int, rng: np.random.RandomState) -> np.ndarray:
     return rng.permutation(n)[: min(k, n)]
 
 
-def split_sizes(n: int, num_train: int, num_dev: int) -> tuple[int, int]:
+def split_sizes(n: int, num_train: int, num_dev: int, dev_at_most_half: bool = True) -> tuple[int, int]:
     """(train, dev) sizes carved from a train split of n rows (MeZO: dev keeps its size, train takes the rest).
 
-    COPA (400 rows, 100 dev) trains on 300; a dev set never takes more than half a small split (FewGLUE's 32).
+    COPA (400 rows, 100 dev) trains on 300. ``dev_at_most_half``: a dev set never takes more than half a small
+    split (FewGLUE's 32; WSC's 554 give 277 and 277). Without it, as MeZO's run.py (``dev = train[-num_dev:]`` of
+    the ``num_train + num_dev`` drawn), dev keeps num_dev rows and train the rest (WSC: 54 train, 500 dev).
     """
     if n < 2:
         raise ConfigError(f"the train split has {n} rows; at least 2 are needed (one to train, one for dev)")
-    n_dev = min(num_dev, n // 2)
+    n_dev = min(num_dev, n // 2 if dev_at_most_half else n)
+    if n_dev == n:
+        raise ConfigError(f"the train split has {n} rows and dev takes {num_dev}: none is left to train on; lower "
+                          f"data.num_dev or set data.dev_at_most_half=true")
     return min(num_train, n - n_dev), n_dev
 
 
@@ -524,7 +532,7 @@ def load_task(task: BoundTask, data: DataConfig, seed: int, need_train: bool = T
     if train_rows is not None:
         order = np.random.RandomState(data_seed).permutation(len(train_rows))
         dev_key, num_dev = ("task.num_dev", spec.num_dev) if spec.num_dev else ("data.num_dev", data.num_dev)
-        n_train, n_dev = split_sizes(len(order), data.num_train, num_dev)
+        n_train, n_dev = split_sizes(len(order), data.num_train, num_dev, data.dev_at_most_half)
         train, dev = make(train_rows, order[:n_train]), make(train_rows, order[n_train : n_train + n_dev])
         for line in shortfalls(len(order), data.num_train, n_train, dev_key, num_dev, n_dev):
             log.warning("task %s: %s", spec.name, line)
