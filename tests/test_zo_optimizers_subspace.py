@@ -108,8 +108,11 @@ def ref_hizoo(loss, ws, decays, schedule, lr, eps, weight_decay, hessian_smooth)
     return ws
 
 
-def ref_lozo(loss, ws, decays, schedule, lr, eps, weight_decay, rank, step_interval):
-    """LOZO (Chen et al. 2025, Algorithm 1, with the code's 1/r): d = U V^T, V per window, central differences."""
+def ref_lozo(loss, ws, decays, schedule, lr, eps, weight_decay, rank, step_interval, divide_by_rank=True):
+    """LOZO (Chen et al. 2025, Algorithm 1): d = U V^T, V per window, central differences; g divided by r as in
+    ZO-Muon's copy of the trainer, or (``divide_by_rank=False``) by 2 eps alone, as the authors' LOZOtrainer.py 790:
+    ``projected_grad = ((loss1 - loss2) / (2 * self.args.zo_eps)).item()``."""
+    scale = rank if divide_by_rank else 1
     ws = [w.detach().clone() for w in ws]
     for k, n in enumerate(schedule):
         window = torch.Generator().manual_seed(subspace_seed(SEED, k // step_interval))
@@ -123,7 +126,7 @@ def ref_lozo(loss, ws, decays, schedule, lr, eps, weight_decay, rank, step_inter
             plus = loss([w + eps * di for w, di in zip(ws, d)])
             minus = loss([w - eps * di for w, di in zip(ws, d)])
             ds.append(d)
-            gs.append((plus - minus) / (2 * eps * rank))
+            gs.append((plus - minus) / (2 * eps * scale))
         ws = [w - lr * (sum(g * d[i] for g, d in zip(gs, ds)) / n + weight_decay * dec * w)
               for i, (w, dec) in enumerate(zip(ws, decays))]
     return ws
@@ -192,6 +195,22 @@ def test_the_registered_optimizer_follows_the_papers_rule(kind, problem, schedul
     assert all(not torch.allclose(g, s) for g, s in zip(got, start))  # every parameter moved
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_lozo_at_the_authors_scale_takes_r_times_the_step(problem):
+    """divide_by_rank=false: the LOZO authors' projected gradient (LOZOtrainer.py 790), no 1/r."""
+    named, loss = PROBLEMS[problem]()
+    settings = {**SETTINGS["lozo"], "divide_by_rank": False}
+    expected = reference("lozo", named, loss, SCHEDULES["Q=1"], settings)
+    for g, e in zip(run("lozo", named, loss, SCHEDULES["Q=1"], settings), expected):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
+    named, loss = PROBLEMS[problem]()  # afresh: run() moved the parameters
+    start = [p.detach() for _, p in named]
+    scaled = reference("lozo", named, loss, [1], {**settings, "weight_decay": 0.0})
+    divided = reference("lozo", named, loss, [1], {**SETTINGS["lozo"], "weight_decay": 0.0})
+    for s0, a, b in zip(start, scaled, divided):  # one step: r x the displacement of the divided rule
+        torch.testing.assert_close(a - s0, SETTINGS["lozo"]["rank"] * (b - s0), rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("schedule", [[1] * 4, [3] * 4], ids=["Q=1", "Q=3"])

@@ -45,7 +45,7 @@ ADDED_DEFAULTS = {"train.select_on": "loss", "train.select_from": 0, "train.lm_r
                   "method.calibration": "none", "method.adapter.freeze_head": False, "method.adapter.train_head": False,
                   "train.gradient_checkpointing": False, "eval.from": None,
                   "method.demonstrations.protocol": "shared", "method.optimizer.grad_clip": None,
-                  "data.dev_at_most_half": True}
+                  "data.dev_at_most_half": True, "method.optimizer.divide_by_rank": True}
 
 
 def setting_of(config: dict[str, Any]) -> dict[str, Any]:

@@ -9,11 +9,14 @@ entries standard normal. A step of Q queries takes 2Q forwards:
     g_q = (L(w + eps d_q) - L(w - eps d_q)) / (2 eps r),    d_q = U_q V_k^T (matrices), z_q (vectors)
     w <- w - lr ((1/Q) sum_q g_q d_q + wd w)
 
-Source: the paper's Algorithm 1 (LOZO) and its public code (``LOZOTrainer.lowrank_zo_perturb_parameters``,
-``lowrank_zo_step``, ``lowrank_zo_update``, as copied in OPTML-Group/ZO-Muon ``llm/LOZOTrainer.py``); rank 4 and
-step_interval 100 are the README's LOZO command (the script's own defaults are rank 2, interval 100). The 1/r is
-the code's: ``projected_grad = (loss1 - loss2) / (2 * zo_eps * rank_r)``, one scalar for the whole step, so the
-vector parameters' z_q step is divided by r as well; kept here for both.
+Source: the paper's Algorithm 1 (LOZO) and its authors' code (optsuite/LOZO ``large_models/LOZOtrainer.py``
+699-718 ``lowrank_zo_perturb_parameters``, 763-797 ``lowrank_zo_step``, 800-821 ``lowrank_zo_update``); rank 4 and
+step_interval 100 are the LOZO command of OPTML-Group/ZO-Muon's README (the authors' ``run_lozo.py`` defaults are
+rank 2, interval 50; their ``lozo.sh`` runs rank 1, interval 100). The 1/r (``divide_by_rank``, on by default) is
+ZO-Muon's copy of the trainer (``llm/LOZOTrainer.py``: ``projected_grad = (loss1 - loss2) / (2 * zo_eps *
+rank_r)``, one scalar for the whole step, so the vector parameters' z_q step is divided by r as well). The authors'
+code divides by 2 eps only (``LOZOtrainer.py`` 790): at rank r their step is r times this one at equal lr;
+``divide_by_rank: false`` runs their scale.
 Where this implementation differs, and why:
 
 - Q > 1 (the reference takes one query a step): the g_q d_q are averaged (``reduction=sum``: summed), every
@@ -24,6 +27,9 @@ Where this implementation differs, and why:
   and a resumed run continues exactly.
 - The reference views only 2-D weights (``v`` has ``size(1)`` rows), so a tensor of more dimensions would fail
   there; here it is (size(0), numel / size(0)): a tensor-train core (r_{k-1}, n_k, r_k) as r_{k-1} x n_k r_k.
+- On a step that redraws V (step % interval == 0) the authors' code draws V before each U in the perturbations but
+  not in the update, which replays the seed: the update moves along other U than the ones measured. Here the
+  update moves along the measured U_q V_k^T.
 - Directions are drawn in at least float32 (the reference draws in the weights' dtype) and the weights are
   restored exactly after each perturbation (``own_directions``) instead of by the +1, -2, +1 sequence.
 """
@@ -94,9 +100,10 @@ class LOZO(OwnDirectionsZO):
 
     kind = "lozo"
 
-    def __init__(self, params, rank: int = 4, step_interval: int = 100, **settings):
+    def __init__(self, params, rank: int = 4, step_interval: int = 100, divide_by_rank: bool = True, **settings):
         super().__init__(params, rule=LowRankRule(), **settings)
         self.rank, self.step_interval = rank, step_interval
+        self.scale = rank if divide_by_rank else 1
 
     def basis(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """V of this step's window, redrawn from (seed, step // step_interval)."""
@@ -114,7 +121,7 @@ class LOZO(OwnDirectionsZO):
 
         losses = self.evaluate(closure, params, seeds, lambda seed: self.factors(params, seed), move_,
                                baseline=False, central=True)
-        return losses, projected_gradient(losses[0::2], losses[1::2], self.eps) / self.rank
+        return losses, projected_gradient(losses[0::2], losses[1::2], self.eps) / self.scale
 
 
 @dataclasses.dataclass
@@ -126,6 +133,7 @@ class LOZOConfig(OwnDirectionsConfig):
 
     rank: int = 4  # r of U (m x r) and V (n x r); the README's LOZO command (its script's default: 2)
     step_interval: int = 100  # steps that share one V (lazy sampling); 1 redraws V every step
+    divide_by_rank: bool = True  # g_q / r as ZO-Muon's copy of the trainer; false: the LOZO authors' g_q (r x the step)
 
     def state_bytes(self, entries: int, width: int) -> float:
         return 0.0  # V is redrawn from (seed, window) each step: nothing is kept between steps
@@ -144,4 +152,4 @@ def _check_positive(key: str, value: int) -> None:
 @OPTIMIZERS.register("lozo", LOZOConfig)
 def build_lozo(named_params: Iterable[tuple[str, torch.Tensor]], cfg: LOZOConfig, seed: int) -> LOZO:
     return LOZO(decay_groups(named_params, cfg.weight_decay), rank=cfg.rank, step_interval=cfg.step_interval,
-                seed=seed, **zo_settings(cfg))
+                divide_by_rank=cfg.divide_by_rank, seed=seed, **zo_settings(cfg))
