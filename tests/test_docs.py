@@ -97,3 +97,16 @@ def test_the_site_builds_strictly(tmp_path):
     broken = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "s2")], cwd=tmp_path,
                             capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert broken.returncode != 0 and "no-such-page.md" in broken.stderr
+
+
+def test_an_optimizer_the_docs_call_stateless_declares_no_state_memory():
+    """README's optimizer table and docs/optimizers.md say "none" only where the config's state_bytes is 0."""
+    from adazeta.optim import OPTIMIZERS
+    from adazeta.tools.config_reference import STATE
+
+    readme = (ROOT / "README.md").read_text()
+    rows = {m.group(1): m.group(2).strip() for m in re.finditer(r"^\| `(\w+)` \|.*\| ([^|]*) \|$", readme, re.M)}
+    for kind in OPTIMIZERS.names():
+        declared = OPTIMIZERS.config(kind, {}).state_bytes(10, 4)
+        if STATE.get(kind) == "none" or rows.get(kind) == "none":
+            assert declared == 0, (kind, declared)

@@ -166,6 +166,45 @@ def test_each_update_is_its_papers_formula(kind, q, problem):
     assert not torch.equal(model.weight.detach(), problems()[problem].weight.detach())  # it moved
 
 
+def es_authors(model: nn.Module, steps: int, n: int, lr: float):
+    """The ES fine-tuning authors' step (es_fine-tuning_conciseness.py 219-309), written out: N independent members
+    w + sigma z_n, rewards R_n = -L_n normalised by (R - mean R) / (std R + 1e-8) (numpy's population std), then
+    w <- w + alpha / N sum_n R_norm_n z_n. Only the directions come from the project's seeded stream."""
+    w, b = model.weight.detach().clone(), model.bias.detach().clone()
+    for t in range(steps):
+        zs = directions_of(w, b, t, n)
+        rewards = torch.stack([-model.loss(w + EPS * zw, b + EPS * zb) for zw, zb in zs])
+        normalised = (rewards - rewards.mean()) / (rewards.std(unbiased=False) + 1e-8)
+        w = w + lr * sum(r * zw for r, (zw, _) in zip(normalised, zs)) / n
+        b = b + lr * sum(r * zb for r, (_, zb) in zip(normalised, zs)) / n
+    return w, b
+
+
+@pytest.mark.parametrize("problem", ["quadratic", "logistic"])
+@pytest.mark.parametrize("n", [2, 5])
+def test_es_independent_is_the_es_authors_population_rule(problem, n):
+    model = problems()[problem]
+    expected = es_authors(model, steps=6, n=n, lr=1e-2)
+    opt, cfg = build("es", model, lr=1e-2, estimator="es_independent")
+    assert cfg.forwards(n) == n  # one forward per member
+    for _ in range(6):
+        opt.step(Closure(model), n_queries=n)
+    for got, want in zip((model.weight, model.bias), expected):
+        assert torch.allclose(got.detach(), want, rtol=1e-9, atol=1e-11), (got, want)
+
+
+def test_es_with_one_antithetic_pair_is_zo_benchs_sign_rule():
+    """Two members z-score to +1 and -1: the step is lr sign(L+ - L-) z (ZO-Bench's zo_sign_opt), not lr g z."""
+    model = problems()["quadratic"]
+    w, b = model.weight.detach().clone(), model.bias.detach().clone()
+    (zw, zb), = directions_of(w, b, 0, 1)
+    sign = torch.sign(model.loss(w + EPS * zw, b + EPS * zb) - model.loss(w - EPS * zw, b - EPS * zb))
+    opt, _ = build("es", model, lr=1e-2)
+    opt.step(Closure(model), n_queries=1)
+    assert torch.allclose(model.weight.detach(), w - 1e-2 * sign * zw, rtol=1e-9, atol=1e-12)
+    assert torch.allclose(model.bias.detach(), b - 1e-2 * sign * zb, rtol=1e-9, atol=1e-12)
+
+
 def test_zo_sgd_reference_agrees_with_the_engine():
     """The independent rules above are checked against the existing ZO-SGD too (the harness itself is right)."""
     model = problems()["quadratic"]

@@ -10,6 +10,18 @@ population std; all equal: no move), and the update is ES's
 which is ZO-SGD's update with g_q = (s_q+ - s_q-) / 2 (reduction mean). The z-scoring makes the step's size
 independent of the loss's scale and of sigma: lr is ES's alpha. Batched queries and query- or data-parallel runs
 apply as for central differences (the shaping needs all 2Q losses: after the ranks' sum).
+
+At Q = 1 this is ZO-SignSGD as ZO-Bench's code runs it: two members z-score to +1 and -1 (or both to 0), so the
+step is lr sign(L(w + sigma z) - L(w - sigma z)) z, whatever the size of the difference.
+
+The ES fine-tuning authors' code (VsonicV/es-fine-tuning-paper ``es_fine-tuning_conciseness.py`` 219-309) draws
+N independent members (POPULATION_SIZE = 30, SIGMA = 1e-3, ALPHA = 5e-4), evaluates each once at w + sigma z_n,
+normalises the rewards R_n = -L_n by ``(R - R.mean()) / (R.std() + 1e-8)`` (population std) and steps
+
+    w <- w - lr (1/N) sum_n (L_n - mean L) / (std L + 1e-8) z_n
+
+Estimator ``es_independent`` runs that rule, N = Q members and Q forwards a step (``schedule.q=30`` for the
+authors' population); one process, sequential forwards.
 """
 
 from __future__ import annotations
@@ -40,6 +52,20 @@ def _es(opt, closure, params, seeds, masks, cache, plan) -> tuple[torch.Tensor, 
 
 
 register_estimator(Estimator("es", lambda q: 2 * q, _es))
+
+
+def fitness_normalised(losses: torch.Tensor) -> torch.Tensor:
+    """g_n = (L_n - mean L) / (std L + 1e-8) over the N members' losses (the authors' reward normalisation)."""
+    return (losses - losses.mean()) / (losses.std(unbiased=False) + 1e-8)
+
+
+def _es_independent(opt, closure, params, seeds, masks, cache, plan) -> tuple[torch.Tensor, torch.Tensor]:
+    losses, _ = _differences(opt, closure, params, seeds, masks, cache, plan)
+    return losses, fitness_normalised(losses)
+
+
+register_estimator(Estimator("es_independent", lambda q: q, _es_independent, batched=False, parallel=(),
+                             differences="members"))
 
 
 @dataclasses.dataclass

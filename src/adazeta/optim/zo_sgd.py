@@ -281,6 +281,16 @@ class ZOSGD(torch.optim.Optimizer):
                 if i in wanted:
                     losses += [loss_plus, loss_minus]
                     grads.append(projected_gradient(loss_plus, loss_minus, eps))
+        elif self.differences == "members":
+            # One forward at each w + eps z_q, no difference taken: the estimator shapes the Q losses (ES).
+            for i, seed in enumerate(seeds):
+                z = cache.get(seed)
+                perturb_(params, seed, eps, masks, self.noise, z, layout)
+                if i in wanted:
+                    losses.append(_as_loss(closure()))
+                restore(seed, -eps, z)
+                del z
+            grads = list(losses)
         else:
             # One-sided (L(w + eps z) - L(w)) / eps: Q + 1 forwards instead of 2Q, at the price of O(eps) bias.
             loss_zero = _as_loss(closure()) if wanted else None

@@ -263,7 +263,9 @@ def render() -> str:
 
 # What each optimizer keeps between steps, beside the weights (the dry run's ``optimizer_state`` estimates it).
 STATE = {"zo_sgd": "none: each direction is regenerated from its seed", "zo_sign": "none",
-         "zo_momentum": "one buffer the size of the trained weights", "zo_cons": "none",
+         "zo_momentum": "one buffer the size of the trained weights",
+         "zo_cons": "none kept between steps; during a step, a copy of the trained weights (the point the "
+                    "candidates return to)",
          "zo_adam": "two buffers the size of the trained weights (at least float32) and a step count",
          "es": "none", "forward_grad": "none (a jvp's tangents live only during the step)",
          "hizoo": "one buffer (the diagonal Hessian) the size of the trained weights, at least float32",
