@@ -264,6 +264,14 @@ def test_templates_as_mezos():
     assert ex.prompt == mezo  # encode_prompt: (demos + "\n\n" + text).lstrip()
 
 
+def test_table1_ft_is_mezos_finetune_sh():
+    """MeZO medium_models/finetune.sh: BS=8, STEP=1000, EVAL_STEP=100, run_fewshot.sh --evaluate_during_training;
+    src/trainer.py 805-815 keeps the state of the best dev objective (strictly greater), from the first evaluation."""
+    ft = settings("experiment=table1_roberta", "method=ft", "task=sst2").train
+    assert (ft.batch_size, ft.max_steps, ft.eval_every, ft.keep_best, ft.select_on, ft.select_from) == \
+        (8, 1000, 100, True, "metric", 100)
+
+
 def test_table_experiments_select_and_never_stop_as_the_reference():
     t1 = settings("experiment=table1_roberta", "method=mezo", "task=sst2")
     t2 = settings("experiment=table2_llama", "method=mezo", "task=rte")
