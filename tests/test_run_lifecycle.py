@@ -186,11 +186,8 @@ def test_a_signal_while_the_model_loads_is_recorded_without_a_traceback(fixture_
     assert signal.getsignal(signal.SIGINT) is before  # handlers restored
 
 
-def test_sigterm_to_the_command_ends_with_one_line_and_the_same_command_resumes(fixture_data, tmp_path):
-    run_dir = tmp_path / "run"
-    args = [*tiny_overrides(fixture_data, "method=mezo_lora", "train.max_steps=400", "train.eval_every=100"),
-            f"hydra.run.dir={run_dir}"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+def start_training(args: list[str], run_dir: Path, env: dict[str, str]) -> subprocess.Popen:
+    """``adazeta-run args`` in its own process, returned once a few training steps are written."""
     proc = subprocess.Popen([sys.executable, "-m", "adazeta.cli", *args], env=env, stderr=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, text=True)
     deadline = time.time() + 240
@@ -199,6 +196,15 @@ def test_sigterm_to_the_command_ends_with_one_line_and_the_same_command_resumes(
         if metrics.is_file() and len(metrics.read_text().splitlines()) > 3:
             break
         time.sleep(0.2)
+    return proc
+
+
+def test_sigterm_to_the_command_ends_with_one_line_and_the_same_command_resumes(fixture_data, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*tiny_overrides(fixture_data, "method=mezo_lora", "train.max_steps=400", "train.eval_every=100"),
+            f"hydra.run.dir={run_dir}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    proc = start_training(args, run_dir, env)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
@@ -213,6 +219,28 @@ def test_sigterm_to_the_command_ends_with_one_line_and_the_same_command_resumes(
     assert record["status"] == "finished" and record["resumed_from_step"] >= 3
     assert [int(r["step"]) for r in rows(run_dir / "metrics.csv")] == list(range(1, 401))
 
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2],
+                         ids=lambda n: signal.Signals(n).name)
+def test_every_signal_that_warns_of_an_end_checkpoints_and_records_the_run(fixture_data, tmp_path, signum):
+    """A scheduler's warnings (SLURM's --signal=USR1@T, submitit's USR2, a closed terminal's HUP, Ctrl-C's INT)
+    stop the run as SIGTERM does: at a step boundary, checkpointed, recorded, exit status 128 + n. Left to Python's
+    default, USR1 and USR2 kill the process with nothing written."""
+    run_dir = tmp_path / "run"
+    args = [*tiny_overrides(fixture_data, "method=mezo_lora", "train.max_steps=400", "train.eval_every=100"),
+            f"hydra.run.dir={run_dir}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    proc = start_training(args, run_dir, env)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    name = signal.Signals(signum).name
+    assert proc.returncode == 128 + signum, err
+    assert "Traceback" not in err and f"adazeta-run: interrupted ({name} at step" in err, err
+    record = json.loads((run_dir / "result.json").read_text())
+    assert record["status"] == "interrupted" and record["signal"] == name
+    state = torch.load(run_dir / CHECKPOINT, weights_only=False)
+    assert record["checkpoint_step"] == record["steps"] == state["loop"]["step"] >= 3
 
 # --- complete records --------------------------------------------------------------------------------------
 

@@ -16,8 +16,8 @@ Exit status (README, "Bad input costs one line"):
     1        the run failed (an error in the run itself, or a write that failed); a sweep with a failed point
     2        usage: a bad flag, override or value, a missing file, a refused run directory: one line on stderr,
              no run starts; a sweep that left out values that could not compose
-    128 + n  stopped by signal n (SIGHUP: 129, SIGINT: 130, SIGTERM: 143): recorded; the last line says whether,
-             and from which step, the same command resumes
+    128 + n  stopped by signal n (SIGHUP: 129, SIGINT: 130, SIGUSR1: 138, SIGUSR2: 140, SIGTERM: 143): recorded;
+             the last line says whether, and from which step, the same command resumes
 """
 
 from __future__ import annotations
@@ -101,9 +101,10 @@ def _main(cfg: DictConfig) -> float | None:
 def _exiting_on_signal() -> None:
     """The run is recorded and this process now exits with its signal's status: a further stop signal (a second
     Ctrl-C, a scheduler's repeated SIGTERM) must not kill it on the way out, with another status."""
-    for name in ("SIGTERM", "SIGINT", "SIGHUP"):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    from adazeta.rundir import STOP_SIGNALS
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class NewRunDir(Callback):

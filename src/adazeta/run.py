@@ -219,9 +219,9 @@ def execute(
 ) -> dict[str, Any]:
     """Build, train, test and record one run; ``resume``: a checkpoint this run's settings wrote earlier.
 
-    SIGTERM / SIGINT / SIGHUP end the run ``interrupted`` (checkpointed when it happens during training; during
-    the final evaluation, a first signal lets the run finish and be recorded: see ``adazeta.rundir.PHASES``); a
-    finished or diverged run removes its checkpoint. ``result.json`` is written in every case, atomically, with
+    A stop signal (``adazeta.rundir.STOP_SIGNALS``: TERM, INT, HUP, USR1, USR2) ends the run ``interrupted``
+    (checkpointed when it happens during training; during the final evaluation, a first signal lets the run finish
+    and be recorded: see ``adazeta.rundir.PHASES``); a finished or diverged run removes its checkpoint. ``result.json`` is written in every case, atomically, with
     the signals held back while it is written.
     Several processes (``d``): every rank trains; rank 0 alone writes files and wandb, and when another rank
     fails, or a signal stops it at once, rank 0 records the run with that rank's report.
@@ -284,7 +284,7 @@ def execute(
     elif signals.requested is not None:
         log.warning("%s: the run completed first and is recorded (%s) in %s", signals.requested, record.status,
                     run_dir)
-    signals.forward()  # a scheduler's notice (SIGUSR2 under submitit): now that all is saved, let it requeue
+    signals.forward()  # a notice's earlier handler (submitit's, on SIGUSR2): now that all is saved, let it requeue
     return record.as_dict()
 
 

@@ -7,8 +7,9 @@
   that a finished run is skipped only when it is the same run.
 - ``atomic_write_text``: temp file in the same directory, fsync, rename: a reader sees the old file or the new
   one, never a mix, and a failed write leaves the old file in place.
-- ``StopSignals``: SIGTERM (a cluster's time limit, preemption), SIGINT (Ctrl-C) and SIGHUP (the terminal closed)
-  ask the training loop to stop at the next step boundary, where it saves a checkpoint; during the final
+- ``StopSignals``: SIGTERM (a cluster's time limit, preemption), SIGINT (Ctrl-C), SIGHUP (the terminal closed) and
+  SIGUSR1 / SIGUSR2 (a scheduler's notice that the end is near: SLURM's ``--signal``) ask the training loop to stop
+  at the next step boundary, where it saves a checkpoint; during the final
   evaluation the first one lets the evaluation finish and its result be recorded; while the record is written,
   every signal waits for it. A second signal, or one before training starts, stops at once. The record says where
   the signal stopped the run and whether a checkpoint is left to resume from.
@@ -186,11 +187,13 @@ class Interrupted(BaseException):
         return f"{self.name} during {self.where}, outside a training step"
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-# A scheduler's notice that the job's time is nearly up or that it is preempted (SLURM's --signal, which submitit
-# asks for and handles by requeueing the job): a stop signal too, when a handler was installed for it; that
-# handler is called once the run is checkpointed and recorded (``forward``).
-NOTICE_SIGNALS = (signal.SIGUSR2,)
+# A scheduler's notice that the job's time is nearly up or that it is preempted (SLURM's ``--signal=USR1@T``;
+# submitit asks for USR2 and handles it by requeueing the job). Left to Python's default, either kills the process
+# with no record and no checkpoint, so both stop a run like SIGTERM; a handler installed for one before the run
+# (submitit's) is called once the run is checkpointed and recorded (``forward``).
+NOTICE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+# Every signal that warns of an end: each stops the run at a step boundary, checkpointed and recorded.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, *NOTICE_SIGNALS)
 # What the run is doing decides what a first stop signal does (a second one stops at once, except in ``save``):
 #   setup  before training (model and data loading, a probe's fit): stop at once, nothing to checkpoint
 #   step   a training step or a dev evaluation: finish the step, checkpoint, stop
@@ -213,10 +216,10 @@ def forget_signals() -> None:
 
 
 class StopSignals:
-    """Within ``with``: SIGTERM / SIGINT / SIGHUP act by ``phase`` (see PHASES); ``at`` moves between phases.
+    """Within ``with``: every stop signal (STOP_SIGNALS) acts by ``phase`` (see PHASES); ``at`` moves between phases.
 
-    SIGUSR2 too when a Python handler was installed for it before (submitit's requeue): ``forward()`` calls that
-    handler after the run has written its checkpoint and record. ``lost_peers`` (several processes): a signal
+    A notice signal (SIGUSR1, SIGUSR2) that had a Python handler before (submitit's requeue): ``forward()`` calls
+    that handler after the run has written its checkpoint and record. ``lost_peers`` (several processes): a signal
     that arrives while another rank's process is gone (torchrun stops the survivors with SIGTERM) is that rank's
     failure, raised at once as ``PeerLost``.
     """
@@ -266,9 +269,6 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
-            for sig in NOTICE_SIGNALS:
-                if callable(signal.getsignal(sig)):  # someone acts on the notice: stop cleanly first
-                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def forward(self) -> None:

@@ -54,7 +54,7 @@ class TrainConfig:
     # spacing in compute for methods whose steps cost different numbers of forwards (AdaZeta's Q grows).
     eval_every_forwards: int | None = None
     # Write a checkpoint (trainable and optimizer state, data order, RNG, best-dev state) every this many steps, so
-    # that a killed run resumes from it; null: only when the run is interrupted (SIGTERM / SIGINT).
+    # that a killed run resumes from it; null: only when a stop signal interrupts the run (TERM, INT, HUP, USR1, USR2).
     checkpoint_every: int | None = None
     # Which dev evaluation's state is kept for test: the lowest dev `loss` (the project's default; MeZO's large-model
     # trainer), or the best task `metric` (accuracy / F1: LM-BFF's and MeZO's RoBERTa trainers; ties keep the
