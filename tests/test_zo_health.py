@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from adazeta.adapters.bottleneck import BottleneckAdapterConfig, add_bottleneck_adapters
 from adazeta.adapters.tt import TTAdapter, TTAdapterConfig, add_tt_adapters
 from adazeta.errors import ConfigError
-from adazeta.evaluate import evaluate
+from adazeta.evaluate import Dependence, Predictions, dependence, evaluate
 from adazeta.models import ModelConfig, load_model
 from adazeta.optim.zo_sgd import ZOSGD
 from adazeta.schedules import AdaptiveOfficialConfig, budget_steps, build_adaptive_official
@@ -137,11 +138,81 @@ def test_a_collapse_to_tied_candidates_is_divergence_although_its_loss_looks_fin
     assert at is None
 
 
+def answers(golds: list[int], first: list[float], second: list[float]) -> Predictions:
+    """Two-candidate predictions from each example's scores."""
+    return Predictions.from_scores([[a, b] for a, b in zip(first, second)], golds)
+
+
+def test_input_dependence_measures_one_answer_and_a_constant_gap():
+    golds = [i % 2 for i in range(100)]
+    healthy = dependence(answers(golds, [-1.0] * 100, [-1.0 + (0.8 if g else -0.8) + 0.1 * (i % 3)
+                                                        for i, g in enumerate(golds)]))
+    assert healthy.examples == 100 and healthy.answer_share == 0.5 and healthy.gap_std > 0.8
+    # The collapsed first-order TT run: every sentence "positive" by an almost constant margin, its loss near ln 2.
+    stuck = dependence(answers(golds, [-1.0] * 100, [-0.99 + 1e-4 * (i % 3) for i in range(100)]))
+    assert (stuck.answer, stuck.answer_share, stuck.gold_share) == (1, 1.0, 0.5)
+    assert stuck.gap_std == pytest.approx(1e-4 * math.sqrt(2 / 3), rel=1e-2)  # 0, 1, 2 x 1e-4 in thirds
+    assert dependence(Predictions(texts=["a"], f1=[1.0], em=[1.0])) is None  # generation: nothing to measure
+
+
+def dependences(monitor: DivergenceMonitor, curve: list[Dependence]) -> tuple[int | None, str | None]:
+    for i, d in enumerate(curve):
+        reason = monitor.update(0.69, 0.0, d)
+        if reason is not None:
+            return i, reason
+    return None, None
+
+
+def test_answers_that_stop_depending_on_the_input_end_a_run_told_to_stop(caplog):
+    healthy = Dependence(examples=200, answer=0, answer_share=0.6, gold_share=0.55, gap_std=1.0)
+    one_answer = Dependence(examples=200, answer=1, answer_share=1.0, gold_share=0.545, gap_std=0.5)
+    flat_gap = Dependence(examples=200, answer=1, answer_share=0.9, gold_share=0.545, gap_std=0.024)
+    for collapsed, measured in ((one_answer, "100.0% of 200 dev examples answer candidate 1 (54.5% of their gold "
+                                             "labels are it)"),
+                                (flat_gap, "the score gap varies by 0.024 (std) across 200 dev examples, 2.4% of "
+                                           "its 1 at the first evaluation")):
+        caplog.clear()
+        at, reason = dependences(DivergenceMonitor(DivergenceConfig(independent="stop")),
+                                 [healthy, healthy, collapsed, collapsed])
+        assert at == 2 and reason.startswith("collapsed: the answers no longer depend on the input") and \
+            measured in reason
+        assert measured in caplog.text  # logged once, with what was measured
+        # warn (the default): logged and recorded, the run goes on
+        assert dependences(DivergenceMonitor(DivergenceConfig()), [healthy, collapsed, collapsed]) == (None, None)
+    # Labels that skewed, or too few examples to tell, are never judged; nor is an untrained model that already
+    # answered one way (a biased pretrained model is not a collapse).
+    skewed = Dependence(examples=200, answer=1, answer_share=0.99, gold_share=0.985, gap_std=0.9)
+    few = Dependence(examples=16, answer=1, answer_share=1.0, gold_share=0.5, gap_std=0.9)
+    stop = DivergenceConfig(independent="stop")
+    assert dependences(DivergenceMonitor(stop), [healthy, skewed, few]) == (None, None)
+    assert dependences(DivergenceMonitor(stop), [one_answer, one_answer, flat_gap]) == (None, None)
+
+
+def test_an_untrained_model_that_answers_one_way_is_recorded_and_not_stopped(fixture_data, tmp_path, caplog):
+    """A tiny random model answers one candidate for every input from the start: the run says so in its log and
+    result.json (dev and test), and ``stop`` does not end it (training did not cause it)."""
+    from adazeta.run import run
+    from helpers import compose_cfg, tiny_overrides
+
+    cfg = compose_cfg(tiny_overrides(fixture_data, "method=mezo_lora", "data.num_dev=50", "data.num_eval=20",
+                                     "divergence.independent=stop"))
+    record = run(cfg, tmp_path / "run")
+    assert record["status"] == "finished"
+    dev, test = record["dev_dependence"], record["test_dependence"]
+    assert dev["examples"] == 50 and test["examples"] == 20 and dev["answer_share"] == 1.0 and dev["gap_std"] > 0
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["dev_dependence"] == dev
+    assert "do not depend on the input before any training: 100.0% of 50 dev examples" in caplog.text
+
+
 def test_divergence_config_is_validated():
     with pytest.raises(ConfigError, match="divergence.rule"):
         DivergenceConfig(rule="worst")
     with pytest.raises(ConfigError, match="divergence.collapse_fraction"):
         DivergenceConfig(collapse_fraction=0.0)
+    with pytest.raises(ConfigError, match="divergence.independent='halt' is not one of warn, stop, off"):
+        DivergenceConfig(independent="halt")
+    with pytest.raises(ConfigError, match="divergence.independent_answer_share=0.5 must be in"):
+        DivergenceConfig(independent_answer_share=0.5)
 
 
 def test_an_overflowing_residual_stream_scores_every_candidate_equal():

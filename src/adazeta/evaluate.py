@@ -50,6 +50,47 @@ class Predictions:
 
 
 @dataclass
+class Dependence:
+    """How much one evaluation's answers depend on its input, from its per-example candidate scores.
+
+    A model that collapsed to one answer (a first-order TT run that answers every sentence "positive", its dev loss
+    near ln 2) can still score its candidates apart, so it ties on no example: what gives it away is that the answer,
+    and the gap between the candidates' scores, hardly move from one example to the next. Measured over the examples
+    with the split's usual number of candidates (all of them for a classification task), every score finite.
+    """
+
+    examples: int  # examples measured
+    answer: int  # the candidate (by position) answered most often
+    answer_share: float  # share of the measured examples that give that answer
+    gold_share: float  # share of them whose gold answer it is: how skewed the labels are towards it
+    # sqrt(mean over candidates j >= 1 of the variance across examples of score_j - score_0): for two candidates,
+    # the standard deviation of the score gap; 0 when every example scores its candidates the same way.
+    gap_std: float
+
+
+def dependence(predictions: Predictions | None) -> Dependence | None:
+    """The input dependence of kept ``predictions`` (None for a generation task, or fewer than two examples with
+    two or more candidates)."""
+    if predictions is None or not predictions.scores:
+        return None
+    k = max(len(row) for row in predictions.scores)
+    rows = [i for i, row in enumerate(predictions.scores) if len(row) == k]
+    if k < 2 or len(rows) < 2:
+        return None
+    scores = torch.tensor([predictions.scores[i] for i in rows], dtype=torch.float64)
+    keep = torch.isfinite(scores).all(dim=1)
+    if int(keep.sum()) < 2:
+        return None
+    scores, pred = scores[keep], torch.tensor([predictions.pred[i] for i in rows])[keep]
+    gold = torch.tensor([predictions.gold[i] for i in rows])[keep]
+    answer = int(torch.bincount(pred, minlength=k).argmax())
+    gaps = scores[:, 1:] - scores[:, :1]
+    return Dependence(examples=len(pred), answer=answer, answer_share=float((pred == answer).double().mean()),
+                      gold_share=float((gold == answer).double().mean()),
+                      gap_std=float(gaps.var(dim=0, unbiased=False).mean().sqrt()))
+
+
+@dataclass
 class EvalResult:
     loss: float
     score: float  # the task's main metric (``metric``): accuracy, or F1 of the generations for generation tasks
@@ -61,6 +102,7 @@ class EvalResult:
     tied: float = 0.0
     metric: str = "accuracy"  # what ``score`` is: accuracy | f1
     predictions: Predictions | None = None  # per example, when ``evaluate`` was asked to keep them
+    dependence: Dependence | None = None  # how much the answers depend on the input (kept classification scores)
 
     @classmethod
     def restore(cls, state: dict) -> "EvalResult":
@@ -70,6 +112,8 @@ class EvalResult:
             state["score"] = state.pop("accuracy")
         if isinstance(state.get("predictions"), dict):
             state["predictions"] = Predictions(**state["predictions"])
+        if isinstance(state.get("dependence"), dict):
+            state["dependence"] = Dependence(**state["dependence"])
         return cls(**state)
 
 
@@ -148,7 +192,7 @@ def evaluate(
     mean_loss = float(loss_sum) / (float(weight_sum) if weight_sum is not None else n)  # per token, or per example
     if lines is not None:
         lines.done(mean_loss, score, metric)
-    return EvalResult(mean_loss, score, n, metrics, tied_fraction, metric, predictions)
+    return EvalResult(mean_loss, score, n, metrics, tied_fraction, metric, predictions, dependence(predictions))
 
 
 def _predictions(kept: list[tuple[Batch, torch.Tensor]], n: int) -> Predictions:

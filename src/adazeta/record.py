@@ -75,6 +75,9 @@ class RunRecord:
     device: dict[str, Any] = UNSET
     peak_mem_mb: float = UNSET
     dev_metrics: dict[str, float] = field(default_factory=dict)  # written as dev_<name>: f1, em
+    # How much the kept dev evaluation's answers depend on the input (adazeta.evaluate.Dependence: the most common
+    # answer's share, the gold labels' share of it, the score gap's spread); test_dependence the same for test.
+    dev_dependence: dict[str, Any] = UNSET
     # interrupted: the signal that stopped it; finished, diverged: a signal that came during the final evaluation,
     # which finished first (the command still exits with the signal's status)
     signal: str | None = UNSET
@@ -83,6 +86,7 @@ class RunRecord:
     test_loss: float = UNSET
     test_score: float = UNSET
     test_metrics: dict[str, float] = field(default_factory=dict)  # written as test_<name>
+    test_dependence: dict[str, Any] = UNSET
     # Provenance, written last.
     wall_time_s: float = UNSET  # over every invocation; a resumed one adds its time to its checkpoint's
     git: dict[str, Any] = UNSET

@@ -210,4 +210,8 @@ def unused_keys(s: Settings) -> dict[str, str]:
                                            "initial) to use it")
     if not s.divergence.collapse:
         unused["divergence.collapse_fraction"] = "divergence.collapse=false; set divergence.collapse=true to use it"
+    if s.divergence.independent == "off":
+        for key in ("answer_share", "gap_ratio", "min_examples"):
+            unused[f"divergence.independent_{key}"] = ("divergence.independent=off; set divergence.independent=warn "
+                                                       "(or stop) to use it")
     return unused

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from adazeta.errors import ConfigError
+from adazeta.evaluate import Dependence
 from adazeta.rundir import atomic_write_text
 
 log = logging.getLogger("adazeta")
@@ -54,6 +55,7 @@ class WandbConfig:
 
 
 DIVERGENCE_RULES = ("best", "initial", "none")
+INDEPENDENT = ("warn", "stop", "off")
 
 
 @dataclass
@@ -66,6 +68,14 @@ class DivergenceConfig:
     run that starts high can fall and climb back to its start unnoticed); ``none``: no dev-loss rule, as the
     reference trainers (a run trains every step; a non-finite loss still ends it, and a collapse unless
     ``collapse`` is off).
+
+    Input-independent answers (``independent``; ``adazeta.evaluate.Dependence``): a dev evaluation of at least
+    ``independent_min_examples`` examples where ``independent_answer_share`` of them or more give one answer that
+    fewer of their gold labels are, or whose score gap varies across examples less than
+    ``independent_gap_ratio`` x as much as at the first evaluation. Measured at every evaluation and written to
+    result.json (``dev_dependence``, ``test_dependence``); ``warn`` logs it, ``stop`` also ends the run as
+    diverged and never keeps such an evaluation, unless the first evaluation (the untrained model) already answered
+    that way: a biased pretrained model is not a collapse.
     """
 
     rule: str = "best"
@@ -76,10 +86,24 @@ class DivergenceConfig:
     # Off: no such stop, and a collapsed evaluation can be the kept state (the reference trainers').
     collapse: bool = True
     collapse_fraction: float = 0.5  # share of tied examples that counts as collapsed
+    independent: str = "warn"  # input-independent answers: warn (log and record) | stop (end the run) | off
+    independent_answer_share: float = 0.98  # one answer for this share of dev examples or more ...
+    independent_gap_ratio: float = 0.1  # or a score-gap spread below this x the first evaluation's
+    # Fewer dev examples are never judged: 16 balanced examples all answered alike happen by chance.
+    independent_min_examples: int = 50
 
     def __post_init__(self) -> None:
         if self.rule not in DIVERGENCE_RULES:
             raise ConfigError(f"divergence.rule={self.rule!r} is not one of {', '.join(DIVERGENCE_RULES)}")
+        if self.independent not in INDEPENDENT:
+            raise ConfigError(f"divergence.independent={self.independent!r} is not one of {', '.join(INDEPENDENT)}")
+        if not 0.5 < self.independent_answer_share <= 1.0:
+            raise ConfigError(f"divergence.independent_answer_share={self.independent_answer_share} must be in "
+                              "(0.5, 1]")
+        if not 0.0 <= self.independent_gap_ratio < 1.0:
+            raise ConfigError(f"divergence.independent_gap_ratio={self.independent_gap_ratio} must be in [0, 1)")
+        if self.independent_min_examples < 2:
+            raise ConfigError(f"divergence.independent_min_examples={self.independent_min_examples} must be >= 2")
         if self.factor <= 1.0:
             raise ConfigError(f"divergence.factor={self.factor} must be > 1")
         if self.patience < 1:
@@ -96,12 +120,36 @@ class DivergenceMonitor:
         self.initial: float | None = None
         self.best: float | None = None
         self.strikes = 0
+        self.first_gap: float | None = None  # the first evaluation's score-gap spread: the gap rule's reference
+        self.born_independent = False  # the first evaluation's answers were already input-independent
+        self.warned = False
 
     def state_dict(self) -> dict[str, Any]:
-        return {"initial": self.initial, "best": self.best, "strikes": self.strikes}
+        return {"initial": self.initial, "best": self.best, "strikes": self.strikes, "first_gap": self.first_gap,
+                "born_independent": self.born_independent, "warned": self.warned}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.initial, self.best, self.strikes = state["initial"], state["best"], state["strikes"]
+        self.first_gap = state.get("first_gap")  # checkpoints written before the rule: no reference
+        self.born_independent, self.warned = state.get("born_independent", False), state.get("warned", False)
+
+    def independent(self, d: Dependence | None) -> str | None:
+        """What makes an evaluation's answers input-independent (``Dependence``), or None: never judged below
+        ``independent_min_examples`` examples, nor with ``independent=off``."""
+        cfg = self.cfg
+        if cfg.independent == "off" or d is None or d.examples < cfg.independent_min_examples:
+            return None
+        if d.answer_share >= cfg.independent_answer_share and d.gold_share < cfg.independent_answer_share:
+            return (f"{d.answer_share:.1%} of {d.examples} dev examples answer candidate {d.answer} "
+                    f"({d.gold_share:.1%} of their gold labels are it)")
+        if self.first_gap and d.gap_std < cfg.independent_gap_ratio * self.first_gap:
+            return (f"the score gap varies by {d.gap_std:.3g} (std) across {d.examples} dev examples, "
+                    f"{d.gap_std / self.first_gap:.1%} of its {self.first_gap:.3g} at the first evaluation")
+        return None
+
+    def stops_independent(self, d: Dependence | None) -> bool:
+        """Whether the input-independence rule ends the run at (and never keeps) an evaluation with ``d``."""
+        return self.cfg.independent == "stop" and not self.born_independent and self.independent(d) is not None
 
     @staticmethod
     def non_finite(loss: float) -> str | None:
@@ -111,19 +159,23 @@ class DivergenceMonitor:
         """Whether an evaluation with this tied fraction is a collapsed model (see DivergenceConfig.collapse)."""
         return tied >= self.cfg.collapse_fraction
 
-    def keepable(self, tied: float) -> bool:
+    def keepable(self, tied: float, dependence: Dependence | None = None) -> bool:
         """Whether an evaluation may become the kept state. With ``collapse`` on, a collapsed one never does: its
         loss (exactly ln #candidates) can be below a high start. With it off, any evaluation can, as in the reference
-        trainers, which keep the best dev loss or metric whatever the scores look like."""
-        return not (self.cfg.collapse and self.collapsed(tied))
+        trainers, which keep the best dev loss or metric whatever the scores look like. An evaluation that the
+        ``independent: stop`` rule ends the run on is never kept either."""
+        return not (self.cfg.collapse and self.collapsed(tied)) and not self.stops_independent(dependence)
 
-    def update(self, dev_loss: float, tied: float = 0.0) -> str | None:
+    def update(self, dev_loss: float, tied: float = 0.0, dependence: Dependence | None = None) -> str | None:
         if not math.isfinite(dev_loss):
             return f"non-finite dev loss ({dev_loss})"
         if self.cfg.collapse and self.collapsed(tied):
             # Only what this evaluation measured: why the scores tie (in the one run diagnosed, the residual stream
             # overflowed float32: README) is not measured here.
             return f"collapsed: {tied:.0%} of dev examples score all candidates the same (dev loss {dev_loss:.6f})"
+        reason = self._independence(dev_loss, dependence)
+        if reason is not None:
+            return reason
         if self.initial is None:
             self.initial = self.best = dev_loss
             return None
@@ -142,6 +194,24 @@ class DivergenceMonitor:
                 f"dev loss {dev_loss:.4f} above {self.cfg.factor} x {what} dev loss {reference:.4f} "
                 f"for {self.strikes} evaluations in a row"
             )
+        return None
+
+    def _independence(self, dev_loss: float, d: Dependence | None) -> str | None:
+        """The input-independence rule at one evaluation: the first one sets its reference (and whether the
+        untrained model already answered that way); later ones are logged once, and end the run with ``stop``."""
+        first = self.initial is None
+        why = self.independent(d)
+        if first:
+            self.first_gap = d.gap_std if d is not None else None
+            self.born_independent = why is not None
+        if why is None:
+            return None
+        if not self.warned:
+            self.warned = True
+            log.warning("the dev answers do not depend on the input%s: %s (divergence.independent=%s)",
+                        " before any training" if first else "", why, self.cfg.independent)
+        if self.stops_independent(d):
+            return f"collapsed: the answers no longer depend on the input: {why} (dev loss {dev_loss:.6f})"
         return None
 
 

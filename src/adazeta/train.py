@@ -122,12 +122,16 @@ class Outcome:
         if self.best_dev.n:
             fields.update(initial_dev_loss=self.initial_dev.loss, initial_dev_score=self.initial_dev.score,
                           dev_loss=self.best_dev.loss, dev_score=self.best_dev.score)
+            if self.best_dev.dependence is not None:  # how much the kept state's answers depend on the input
+                fields["dev_dependence"] = dataclasses.asdict(self.best_dev.dependence)
         else:  # no dev set (training-free, without a train split): null, not NaN
             fields.update(initial_dev_loss=None, initial_dev_score=None, dev_loss=None, dev_score=None)
         if self.status == "interrupted":  # at a step boundary, checkpointed
             fields["signal"] = self.signal
         else:
             fields.update(test_loss=self.test.loss, test_score=self.test.score, test_metrics=dict(self.test.metrics))
+            if self.test.dependence is not None:
+                fields["test_dependence"] = dataclasses.asdict(self.test.dependence)
         return fields
 
 
@@ -247,7 +251,7 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
     t = LoopState(scorer, optimizer, splits, cfg, loop)
     if t.resume is None:
         t.initial = t.best = t.dev_eval(0)
-        reason = t.monitor.update(t.initial.loss, t.initial.tied) if t.initial.n else None
+        reason = t.monitor.update(t.initial.loss, t.initial.tied, t.initial.dependence) if t.initial.n else None
         if reason is not None:  # e.g. an adapter init that already overflows: nothing to train from
             t.status, t.reason = "diverged", reason
             return Outcome(t.status, reason, 0, 0, t.initial, t.initial, t.final_test(0), 0)
@@ -400,12 +404,12 @@ class LoopState:
         self.evals.last_forwards = self.forward_passes
         result = self.dev_eval(step)
         cfg = self.cfg
-        if step >= cfg.select_from and self.monitor.keepable(result.tied) and (
+        if step >= cfg.select_from and self.monitor.keepable(result.tied, result.dependence) and (
                 self.best_step < cfg.select_from or better(result, self.best, cfg.select_on)):
             self.best, self.best_step = result, step
             self.best_state = trainable_state(self.model) if cfg.keep_best else None
         self.progress.evaluated(step, result.score, result.metric, result.loss, self.best_step)
-        return self.monitor.update(result.loss, result.tied)
+        return self.monitor.update(result.loss, result.tied, result.dependence)
 
     # --- training ----------------------------------------------------------------------------------------------
 
