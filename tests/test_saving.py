@@ -154,3 +154,27 @@ def test_another_model_of_the_same_architecture_loads_with_a_warning(fixture_dat
     with caplog.at_level("WARNING", logger="adazeta"):
         load_adapters(plain, tmp_path / "trained" / "adapter")
     assert "were trained on org/some-model; this model is org/another-model" in caplog.text
+
+
+def test_eval_takes_task_data_seed_and_model_from_the_saved_run(fixture_data, tmp_path):
+    """``method=eval eval.from=<run>`` alone scores what the run scored (its task, split sizes, seed, model), not
+    the defaults (SST-2's 872 test sentences on SmolLM2), and says so; the command line still wins."""
+    trained = tmp_path / "trained"
+    record = run(compose_cfg(tiny_overrides(fixture_data, "method=adazeta", "seed=3", "data.num_eval=12")), trained)
+    where = [f"data.dir={fixture_data}", "wandb.mode=disabled"]
+    done = cli("method=eval", f"eval.from={trained}", *where, f"hydra.run.dir={tmp_path / 'again'}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    again = result(tmp_path / "again")
+    assert (again["task"], again["model"], again["seed"], again["num_train"], again["num_dev"], again["num_eval"]) == \
+        ("rte", "tiny-llama", 3, 32, 16, 12)
+    assert (again["test_loss"], again["test_accuracy"]) == (record["test_loss"], record["test_accuracy"])
+    assert f"method=eval: scoring the adapters of {trained} (adazeta on rte, seed 3) on task rte with model " \
+           "tiny-llama, seed 3, data.num_train=32, num_dev=16, num_eval=12" in done.stdout
+    assert "from the command: nothing" in done.stdout
+    # What the command line sets is the command's: here a smaller test split of the same task.
+    done = cli("method=eval", f"eval.from={trained / 'adapter'}", "data.num_eval=8", *where,
+               f"hydra.run.dir={tmp_path / 'fewer'}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    fewer = result(tmp_path / "fewer")
+    assert (fewer["task"], fewer["seed"], fewer["num_eval"]) == ("rte", 3, 8)
+    assert "from the command: data.num_eval" in done.stdout

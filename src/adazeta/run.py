@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from adazeta import distributed
+from adazeta.adapters.saved import adopt_saved_run
 from adazeta.calibration import calibrate
 from adazeta.distributed import Dist, Spread
 from adazeta.dryrun import dry_run
@@ -59,7 +60,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None,
     watch the run's steps and evaluations (``adazeta.train.Observer``: diagnostics, benches); no number changes.
     """
     forget_signals()
-    s = parse(cfg)
+    s = parse(adopt_saved_run(cfg, overrides or []))
     preflight(s)
     if s.dry_run:
         where = distributed.launch_env()
