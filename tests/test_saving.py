@@ -17,7 +17,7 @@ from adazeta.build import build
 from adazeta.run import run
 from adazeta.settings import parse
 from adazeta.saving import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapters
-from helpers import ROOT, compose_cfg, tiny_overrides
+from helpers import ROOT, SHARED_MODELS, compose_cfg, needs_shared_model, tiny_overrides
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -178,3 +178,71 @@ def test_eval_takes_task_data_seed_and_model_from_the_saved_run(fixture_data, tm
     fewer = result(tmp_path / "fewer")
     assert (fewer["task"], fewer["seed"], fewer["num_eval"]) == ("rte", 3, 8)
     assert "from the command: data.num_eval" in done.stdout
+
+
+def saved_base(folder) -> None:
+    """A tiny llama and its tokenizer as a save_pretrained folder: a base model the card's snippet can load."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from adazeta.models import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    config = AutoConfig.for_model("llama", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, vocab_size=len(tokenizer),
+                                  pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+@pytest.mark.parametrize("method", ["mezo_lora", "adazeta"])
+def test_the_model_card_has_hub_metadata_and_its_snippet_loads_the_adapters(method, fixture_data, tmp_path):
+    from huggingface_hub import ModelCard
+
+    saved_base(tmp_path / "base")
+    extra = ["method.adapter.bottleneck=8", "method.adapter.rank=2"] if method == "adazeta" else []
+    run(compose_cfg(tiny_overrides(fixture_data, "model=hf", f"model.path={tmp_path / 'base'}", f"method={method}",
+                                   *extra)), tmp_path / "trained")
+    folder = tmp_path / "trained" / "adapter"
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.library_name == ("peft" if method == "mezo_lora" else "adazeta")
+    assert {"adazeta", "zeroth-order", f"method:{method}", "task:rte"} <= set(card.data.tags)
+    assert card.data.pipeline_tag == "text-generation" and card.data.base_model is None  # no Hub id: no local path
+    assert f"# {method} on rte (hf)" in card.text
+    if method == "mezo_lora":  # peft's card is merged into, not replaced: its tags and text are still there
+        assert "lora" in card.data.tags and "### Framework versions" in card.text
+        peft_config = json.loads((folder / "adapter_config.json").read_text())
+        assert peft_config["base_model_name_or_path"] == "base"  # the folder's name, not its absolute path
+    snippet = card.text.split("```python\n", 1)[1].split("```", 1)[0]
+    names: dict = {}
+    exec(compile(snippet, "README.md", "exec"), names)  # as written: every name it uses, it defines
+    ids = torch.tensor([[5, 6, 7, 8]])
+    from adazeta.saving import load_adapters
+    from transformers import AutoModelForCausalLM
+
+    expected = load_adapters(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), folder)
+    assert torch.equal(names["model"](ids).logits, expected(ids).logits)
+
+
+def test_the_model_card_says_when_the_base_came_from_a_gguf_file(tmp_path):
+    from huggingface_hub import ModelCard
+
+    from adazeta.saving import model_card
+
+    record = {"method": "adazeta", "task": "sst2", "model": "smollm2-135m", "seed": 0, "status": "finished",
+              "steps": 10, "best_step": 10, "model_source": {"kind": "hub", "path": "org/Model-GGUF",
+                                                                "gguf_file": "Model.Q4_1.gguf"}}
+    base = {"name": "smollm2-135m", "hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct", "family": "causal"}
+    card = ModelCard(model_card(record, ["method=adazeta"], "tt", base, tmp_path))
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and "gguf" in card.data.tags
+    assert "read from the GGUF file `Model.Q4_1.gguf`" in card.text and "dequantises" in card.text
+    snippet = card.text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "BASE = 'org/Model-GGUF'" in snippet and "GGUF = 'Model.Q4_1.gguf'" in snippet
+    assert "from_pretrained(BASE, gguf_file=GGUF)" in snippet
+
+
+@needs_shared_model
+def test_a_gguf_files_quantisation_is_read_from_its_metadata():
+    from adazeta.saving import gguf_quantisation
+
+    assert gguf_quantisation(str(SHARED_MODELS / "SmolLM2-135M-Instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf")) == "Q4_1"

@@ -317,19 +317,25 @@ def save_trained(run_dir: Path, model: Any, s: Settings, record: RunRecord, outc
         return
     overrides = run_dir / ".hydra" / "overrides.yaml"
     command = OmegaConf.load(overrides) if overrides.is_file() else []
-    card = model_card(record.as_dict(), [str(c) for c in command], kind)
-    base = {"name": s.model.name, "hub_id": s.model.hub_id, "path": s.model.path, "gguf_file": s.model.gguf_file}
+    base = {"name": s.model.name, "hub_id": s.model.hub_id, "path": s.model.path, "gguf_file": s.model.gguf_file,
+            "family": s.model.family, "dtype": s.model.dtype}
+
+    def card(folder: Path) -> str:
+        return model_card(record.as_dict(), [str(c) for c in command], kind, base, folder,
+                          whole_model=config.trains_backbone)
+
     if config.trains_backbone:
         if s.train.save_model:
             size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
             log.info("writing the trained model (%.2f GiB) to %s", size, run_dir / "model")
             model.save_pretrained(str(run_dir / "model"))
-            (run_dir / "model" / "README.md").write_text(card)
+            (run_dir / "model" / "README.md").write_text(card(run_dir / "model"))
         return
     if s.train.save in ("best", "both"):
-        save_adapters(model, run_dir / "adapter", kind, config, base, card)
+        save_adapters(model, run_dir / "adapter", kind, config, base, card(run_dir / "adapter"))
     if s.train.save in ("last", "both") and outcome.last_state is not None:
-        save_adapters(model, run_dir / "adapter_last", kind, config, base, card, state=outcome.last_state)
+        save_adapters(model, run_dir / "adapter_last", kind, config, base, card(run_dir / "adapter_last"),
+                      state=outcome.last_state)
 
 
 def open_tracker(s: Settings, run_dir: Path, resume: dict[str, Any] | None, d: Dist) -> Tracker:

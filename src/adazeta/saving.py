@@ -14,7 +14,9 @@ A run writes ``adapter/`` (the best-dev state that test was evaluated with; ``ad
 - Full-parameter methods (MeZO, Sparse-MeZO, FT): ``train.save_model=true`` writes the model's own
   ``save_pretrained`` folder to ``model/`` (one copy of the model: its size is logged first).
 
-Every folder has a ``README.md`` model card: task, method, scores, the command. ``save_pretrained`` on a model with
+Every folder has a ``README.md`` model card (``model_card``): Hub metadata, task, method, scores, the command, a GGUF
+base named with its quantisation, and loading lines that run as written; peft's own card for LoRA is merged into,
+and peft's adapter config names the base by its Hub id (or file name), never by a local path. ``save_pretrained`` on a model with
 TT or bottleneck adapters attached is refused (it would store the adapted layers under renamed keys, which
 ``from_pretrained`` silently replaces by random weights): save the adapters with ``save_adapters``.
 """
@@ -22,6 +24,7 @@ TT or bottleneck adapters attached is refused (it would store the adapted layers
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from pathlib import Path
@@ -76,6 +79,10 @@ def save_adapters(model: nn.Module, folder: Path, kind: str, config: Any, base: 
                 params[name].copy_(value)
     if is_peft(model):
         model.save_pretrained(str(folder))
+        config_path = folder / "adapter_config.json"  # peft records the loaded model's (local) path
+        peft_config = json.loads(config_path.read_text())
+        peft_config["base_model_name_or_path"] = base_reference(base)
+        config_path.write_text(json.dumps(peft_config, indent=2, sort_keys=True) + "\n")
         head = {n: t for n, t in trainable_tensors(model).items() if "lora_" not in n}
         if head:  # train_head: peft saves the LoRA matrices only
             save_file(head, str(folder / HEAD_WEIGHTS))
@@ -89,7 +96,7 @@ def save_adapters(model: nn.Module, folder: Path, kind: str, config: Any, base: 
                 "tensors": {n: list(t.shape) for n, t in tensors.items()}}
         (folder / ADAPTER_CONFIG).write_text(json.dumps(meta, indent=1, default=str) + "\n")
     if card:
-        (folder / "README.md").write_text(card)
+        write_card(folder, card)
     return folder
 
 
@@ -177,15 +184,57 @@ def refuse_save_pretrained(model: nn.Module) -> None:
     model.save_pretrained = refuse  # an instance attribute: the class and unadapted models are untouched
 
 
-def model_card(record: dict[str, Any], command: list[str] | None, kind: str) -> str:
-    """A short README.md: what was trained, on what, how well, and the command that made it."""
+def base_reference(base: dict[str, Any]) -> str | None:
+    """How a saved adapter names its base model: the Hub id, else the file or folder name. Never an absolute local
+    path: it means nothing on another machine and tells of this one."""
+    if base.get("hub_id"):
+        return str(base["hub_id"])
+    where = base.get("gguf_file") or base.get("path")
+    return Path(str(where)).name if where else base.get("name")
+
+
+@functools.lru_cache(maxsize=8)
+def gguf_quantisation(path: str) -> str:
+    """The quantisation a GGUF file stores its weights in (its ``general.file_type``: Q4_1, Q8_0, F16, ...)."""
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(path).fields["general.file_type"]
+        return gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_")
+    except Exception:  # no such key, or a file type this gguf release does not name
+        return "of unknown type"
+
+
+def model_card(record: dict[str, Any], command: list[str] | None, kind: str, base: dict[str, Any],
+               folder: Path, whole_model: bool = False) -> str:
+    """README.md for a saved adapter folder: Hub metadata, what was trained on what base weights (a GGUF file's,
+    dequantised, when the run loaded one), how well, the command, and loading lines that run as written."""
+    from huggingface_hub import ModelCardData
+
     metric = record.get("metric") or "accuracy"
+    source = record.get("model_source") or {}
+    masked = base.get("family") == "masked"
+    auto = "AutoModelForMaskedLM" if masked else "AutoModelForCausalLM"
+    where = source.get("path") if source.get("kind") in ("local", "hub") else base.get("hub_id")
+    gguf_file = source.get("gguf_file")
+    data = ModelCardData(
+        library_name="peft" if kind == "lora" else "adazeta", base_model=base.get("hub_id") or None,
+        pipeline_tag="fill-mask" if masked else "text-generation",
+        tags=["adazeta", "zeroth-order", f"method:{record.get('method')}", f"task:{record.get('task')}", kind]
+        + (["gguf"] if gguf_file else []))
     lines = [
-        f"# {record.get('method')} on {record.get('task')} ({record.get('model')})",
-        "",
+        "---", data.to_yaml(), "---", "",
+        f"# {record.get('method')} on {record.get('task')} ({record.get('model')})", "",
         f"Trained by adazeta (`{kind}` adapters), seed {record.get('seed')}, status {record.get('status')}, "
-        f"{record.get('steps')} steps, kept state from step {record.get('best_step')}.",
-        "",
+        f"{record.get('steps')} steps, kept state from step {record.get('best_step')}.", "",
+    ]
+    if gguf_file:
+        quant = gguf_quantisation(str(Path(where) / gguf_file)) if source.get("kind") == "local" else "of unknown type"
+        original = f" of {base['hub_id']}" if base.get("hub_id") else ""
+        lines += [f"The base weights were read from the GGUF file `{gguf_file}` ({quant} quantisation), which "
+                  "transformers dequantises to float: the adapters were trained on those weights, not on the "
+                  f"original ones{original}; load the same file for the same numbers.", ""]
+    lines += [
         "| split | loss | " + metric + " |",
         "|---|---|---|",
         f"| dev | {record.get('dev_loss')} | {record.get('dev_' + metric)} |",
@@ -193,13 +242,41 @@ def model_card(record: dict[str, Any], command: list[str] | None, kind: str) -> 
         "",
         "Command: `adazeta-run " + " ".join(command or []) + "`",
         "",
-        "Load it onto the base model:",
-        "",
-        "```python",
-        "from transformers import AutoModelForCausalLM  # or AutoModelForMaskedLM",
-        "import adazeta",
-        "model = adazeta.load_adapters(AutoModelForCausalLM.from_pretrained(BASE), \"path/to/this/folder\")",
-        "```",
-        "",
     ]
+    if where is None and not whole_model:
+        return "\n".join(lines + ["The base model had random weights (`model.random_init`): no file holds it, so "
+                                   "only the run's own code can rebuild it (`method=eval eval.from=<run dir>`).", ""])
+    dtype = ', torch_dtype="bfloat16"' if base.get("dtype") == "bf16" else ""
+    here = str(Path(folder).resolve())
+    if whole_model:  # a full-parameter run's save_pretrained folder: the trained model itself
+        code = [f"from transformers import {auto}", "", f"MODEL = {here!r}  # this folder",
+                f"model = {auto}.from_pretrained(MODEL{dtype})"]
+    else:
+        code = [f"from transformers import {auto}", "import adazeta", "",
+                f"BASE = {str(where)!r}  # the base model: a Hub id or the folder it was read from"]
+        if gguf_file:
+            code.append(f"GGUF = {gguf_file!r}  # the GGUF file in BASE the adapters were trained on")
+        code += [f"ADAPTER = {here!r}  # this folder",
+                 f"base = {auto}.from_pretrained(BASE{', gguf_file=GGUF' if gguf_file else ''}{dtype})",
+                 "model = adazeta.load_adapters(base, ADAPTER)"]
+    lines += ["Load it:" if whole_model else "Load it onto the base model:", "", "```python", *code, "```", ""]
     return "\n".join(lines)
+
+
+def write_card(folder: Path, card: str) -> None:
+    """``card`` as ``folder``'s README.md; a card already there (peft's, for LoRA) is merged into, not replaced: its
+    metadata joins ours (tags together; our base model, never its local path) and its text follows ours."""
+    from huggingface_hub import ModelCard
+
+    path = folder / "README.md"
+    ours = ModelCard(card)
+    if path.is_file():
+        theirs = ModelCard.load(path)
+        merged = {**theirs.data.to_dict(), **ours.data.to_dict()}
+        # peft's base_model:adapter:<path> tag names the loaded model's path too; the Hub derives it from base_model
+        kept = {t for t in theirs.data.tags or [] if not t.startswith("base_model:")}
+        merged["tags"] = sorted(kept | set(ours.data.tags or []))
+        if ours.data.base_model is None:
+            merged.pop("base_model", None)  # peft's is the loaded model's path
+        ours = ModelCard(f"---\n{type(ours.data)(**merged).to_yaml()}\n---\n{ours.text}\n{theirs.text}")
+    path.write_text(str(ours))
