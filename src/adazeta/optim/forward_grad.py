@@ -71,6 +71,7 @@ def _forward_grad(opt: ZOSGD, closure, params, seeds, masks, cache, plan) -> tup
         # fused CPU / flash kernels have no forward-mode derivative.
         with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
             loss, derivative = torch.func.jvp(loss_at, tuple(p.detach() for p in params), tuple(z))
+        del z  # before the next query draws its own: one z at a time (a full model's is the model's size)
         losses.append(loss.detach())
         grads.append(derivative.detach().to(loss.dtype))
     return torch.stack(losses), torch.stack(grads)
