@@ -156,7 +156,7 @@ def test_a_failure_on_another_rank_ends_the_run_with_one_record_naming_it(fixtur
 def test_placement_says_when_a_model_needs_several_gpus_and_estimates_each():
     from adazeta.dryrun import placement
 
-    est = {"weights": 12.5, "activations": 1.4, "gradients": 0.0, "optimizer_state": 0.0, "zo_noise": 0.1,
+    est = {"weights": 12.5, "activations": 1.4, "gradients": 0.0, "optimizer_state": 0.0, "step_temporaries": 0.1,
            "total": 14.0}
     assert placement(est, [], None, True)["fits"] == "cpu"
     assert placement(est, [80.0], None, True)["fits"] == "one_gpu"

@@ -95,7 +95,7 @@ def test_a_model_without_checkpointing_support_is_refused_in_one_line():
 def test_the_dry_run_estimate_keeps_only_layer_inputs():
     def activations(*extra: str) -> float:
         s = parse(compose_cfg(["model=smollm2-135m", *extra]))
-        return memory_estimate(s, 134_515_008, 1_000_000)["activations"]
+        return memory_estimate(s, 134_515_008, [(1_000_000,)])["activations"]
 
     kept, checkpointed = activations("method=lora"), activations("method=lora", "train.gradient_checkpointing=true")
     assert activations("method=zero_shot") < checkpointed < kept / 5

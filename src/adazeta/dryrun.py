@@ -6,7 +6,7 @@ own config.json (a folder holding only that file is enough) or GGUF header.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -14,6 +14,7 @@ from adazeta.adapters.bottleneck import count_bottleneck_adapters
 from adazeta.build import attach_adapter
 from adazeta.adapters.tt import count_adapters
 from adazeta.models import architecture_summary, build_meta_model, count_parameters
+from adazeta.optim.memory import TrainedSet
 
 if TYPE_CHECKING:
     from adazeta.settings import Settings
@@ -22,21 +23,25 @@ GIB = 2**30
 ESTIMATE_SEQ_LEN = 256  # tokens per training sequence assumed by the activation estimate
 
 
-def memory_estimate(
-    s: "Settings", total: int, trainable: int, seq_len: int = ESTIMATE_SEQ_LEN, largest: int = 0
+def memory_parts(
+    s: "Settings", total: int, trained: Sequence[Sequence[int]], seq_len: int = ESTIMATE_SEQ_LEN,
+    largest_weight: int = 0,
 ) -> dict[str, float]:
-    """Training memory in GiB by part: weights, activations, gradients, optimizer state, ZO noise (rough, documented).
+    """Training memory in bytes by part: weights, activations, gradients, optimizer state, step temporaries.
 
-    Activations for backward follow Korthikanti et al. (2022): per layer s*b*h*(34 + 5*a*s/h) bytes in 16-bit,
-    scaled to the backbone's dtype. First-order methods keep them for every layer even when only adapters or
-    LoRA train, since backward runs through the whole frozen network; with ``train.gradient_checkpointing`` they
+    ``total`` weights, the trained ones shaped ``trained``; ``largest_weight``: entries of the model's largest
+    weight tensor. Activations for backward follow Korthikanti et al. (2022): per layer s*b*h*(34 + 5*a*s/h) bytes
+    in 16-bit, scaled to the backbone's dtype. First-order methods keep them for every layer even when only adapters
+    or LoRA train, since backward runs through the whole frozen network; with ``train.gradient_checkpointing`` they
     keep each layer's input hidden states (s*b*h values) and one layer's activations at a time, recomputed in
     backward. A ZO or inference forward keeps only about two layers' worth at a time (times ``query_chunk`` with
-    batched queries, whose forward replicates the minibatch). Trained backbone weights (ft, mezo) keep the
-    backbone's dtype, adapters are fp32; gradients and AdamW's two moments take the trained parameters' dtype. A ZO
-    step adds one noise tensor shaped like the largest trained parameter (``largest`` entries), as it draws z on a
-    GPU (a CPU draws a large weight's z a 32 K-entry slice at a time, so this is its upper bound there);
-    Sparse-MeZO's magnitude mask is one bit per entry (its random mask is redrawn, never kept).
+    batched queries, whose forward replicates the minibatch; times the optimizer's ``activation_copies``: a jvp
+    keeps a tangent beside each). Trained backbone weights (ft, mezo) keep the backbone's dtype, adapters are fp32;
+    gradients and AdamW's two moments take the trained parameters' dtype. The optimizer declares the rest on its
+    config: the state it keeps between steps (``state_bytes``: Sparse-MeZO's magnitude mask is a bit per entry)
+    and the peak of the temporaries one step of the schedule's most queries holds (``step_bytes``: a dense
+    estimate, copies of the weights, kept or drawn noise, a rule's per-tensor arithmetic; the run's device decides
+    how noise is drawn, so a GPU run's estimate is the larger one).
     """
     arch = architecture_summary(s.model)
     h = arch["hidden_size"] or 0
@@ -46,6 +51,9 @@ def memory_estimate(
     b = s.train.batch_size
     per_layer = seq_len * b * h * (34 + 5 * heads * seq_len / max(h, 1)) * width / 2
     trained_width = width if s.adapter.config.trains_backbone else 4
+    trained_set = TrainedSet(tuple(tuple(shape) for shape in trained), trained_width, step_device(s),
+                             largest_weight * width)
+    trainable = trained_set.entries
     weights = (total - trainable) * width + trainable * trained_width
     cfg = s.optimizer.config if s.optimizer else None
     zeroth_order = cfg is not None and cfg.zeroth_order
@@ -54,20 +62,36 @@ def memory_estimate(
         activations = layers * seq_len * b * h * width + per_layer
     else:
         activations = per_layer * (layers if first_order else 2)
+    if zeroth_order:
+        activations *= cfg.activation_copies(width)
     if zeroth_order and cfg.batches_queries:
         if cfg.query_chunk == "auto":  # as many copies as fit in query_memory x the inference forward's memory
             activations += cfg.query_memory * (weights + activations)
         else:
             activations *= cfg.query_chunk  # one forward over up to query_chunk copies of the minibatch
     grads = trainable * trained_width if first_order else 0
-    state = cfg.state_bytes(trainable, trained_width) if cfg is not None else 0  # the optimizer's own declaration
-    noise = largest * trained_width if zeroth_order else 0
-    parts = {
-        "weights": weights, "activations": activations, "gradients": grads, "optimizer_state": state, "zo_noise": noise,
+    queries = s.schedule.config.max_queries if zeroth_order else 1
+    return {
+        "weights": weights, "activations": activations, "gradients": grads,
+        "optimizer_state": cfg.state_bytes(trainable, trained_width) if cfg is not None else 0,
+        "step_temporaries": cfg.step_bytes(trained_set, queries) if cfg is not None else 0,
     }
+
+
+def memory_estimate(s: "Settings", total: int, trained: Sequence[Sequence[int]], seq_len: int = ESTIMATE_SEQ_LEN,
+                    largest_weight: int = 0) -> dict[str, float]:
+    """``memory_parts`` in GiB (rough, documented), with their total."""
+    parts = memory_parts(s, total, trained, seq_len, largest_weight)
     out = {k: round(v / GIB, 3) for k, v in parts.items()}
     out["total"] = round(sum(parts.values()) / GIB, 3)
     return out
+
+
+def step_device(s: "Settings") -> str:
+    """The device type a run of ``s`` steps on here: ``model.device``, with ``auto`` a GPU when one is visible."""
+    if s.model.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(s.model.device).type
 
 
 def visible_gpus() -> list[float]:
@@ -109,9 +133,14 @@ def placement(est: dict[str, float], gpus: list[float], device_map: str | None, 
                       "accelerate offloads the rest to the CPU (slow)"}
 
 
-def largest_trainable(model: torch.nn.Module) -> int:
-    """Entries of the largest trainable tensor: the size of one ZO noise draw."""
-    return max((p.numel() for p in model.parameters() if p.requires_grad), default=0)
+def trained_shapes(model: torch.nn.Module) -> list[tuple[int, ...]]:
+    """The shape of every trainable tensor of ``model``."""
+    return [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+
+
+def largest_weight(model: torch.nn.Module) -> int:
+    """Entries of the largest tensor of ``model``, trained or frozen."""
+    return max((p.numel() for p in model.parameters()), default=0)
 
 
 def count_all_adapters(model: torch.nn.Module) -> int:
@@ -128,7 +157,7 @@ def dry_run(s: "Settings") -> dict[str, Any]:
         "total_params": total,
         "trainable_params": trainable,
         "adapters": count_all_adapters(model),
-        "memory_estimate_gib": memory_estimate(s, total, trainable, largest=largest_trainable(model)),
+        "memory_estimate_gib": memory_estimate(s, total, trained_shapes(model), largest_weight=largest_weight(model)),
         "estimate_assumes": f"batch {s.train.batch_size} x {ESTIMATE_SEQ_LEN} tokens, {s.model.dtype} backbone",
     }
     print(f"model            {s.model.name} ({s.model.family}, {s.model.dtype})")

@@ -104,6 +104,11 @@ class ConstantConfig:
 
     q: int = 1  # queries per step; each costs two forwards
 
+    @property
+    def max_queries(self) -> int:
+        """The most queries a step takes (the dry run's memory estimate sizes a step by it)."""
+        return self.q
+
     def __post_init__(self) -> None:
         if self.q < 1:
             _fail("q", self.q, ">= 1")
@@ -116,6 +121,10 @@ class AdaptiveConfig:
     alpha: float = 0.85  # scale; with alpha < 1, Q stays 1 for the first few epochs
     beta: float = 0.45  # growth exponent; < 1 keeps the growth sub-linear, as Theorem 1 needs
     q_max: int = 20  # hard cap on the queries per step (bounds the cost of a step)
+
+    @property
+    def max_queries(self) -> int:
+        return self.q_max
 
     def __post_init__(self) -> None:
         if self.alpha <= 0:
@@ -136,6 +145,10 @@ class AdaptiveOfficialConfig:
     alpha: float = 0.85  # scale, as in AdaptiveConfig
     q_target: float = 20  # Q the uncapped curve reaches at the last epoch; sets beta
     q_cap: int = 15  # hard cap; the reference Llama runs use 15, so the effective maximum is 15, not 20
+
+    @property
+    def max_queries(self) -> int:
+        return self.q_cap
 
     def __post_init__(self) -> None:
         if self.alpha <= 0:

@@ -13,11 +13,13 @@ A builder registered in ``OPTIMIZERS`` takes ``(named_params, cfg, seed)`` where
 Every optimizer a builder returns declares ``zeroth_order`` (``check_contract``, called when a run builds it).
 """
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from adazeta.errors import ConfigError
 from adazeta.registry import OPTIMIZERS  # noqa: F401  (the package's registry: adazeta.optim.OPTIMIZERS)
 
+if TYPE_CHECKING:
+    from adazeta.optim.memory import TrainedSet
 
 
 class OptimizerCapabilities:
@@ -26,6 +28,11 @@ class OptimizerCapabilities:
 
     ``zeroth_order``: the loop's ZO contract (step(closure, n_queries=Q)) or first-order (backward, then step());
     ``state_bytes(entries, width)``: bytes of optimizer state for ``entries`` trained entries of ``width`` bytes;
+    ``step_bytes(trained, queries)``: the peak bytes of the temporaries one step of ``queries`` queries holds at
+    once beyond the weights, that state and a forward's activations (a dense estimate, a copy of the weights, kept
+    directions, a rule's per-tensor arithmetic; ``adazeta.optim.memory``): the dry run adds it to its estimate;
+    ``activation_copies(width)``: how many times a forward's activations (``width`` bytes an entry) one of its
+    evaluations holds (a jvp: 2.5 and more);
     ``forwards_per_query``: forward passes a query costs (central differences: 2; one-sided: 1, plus one shared);
     ``batches_queries``: a step's queries run as weight replicas in batched forwards (needs a replicable adapter);
     ``forwards(q)``: forward passes of a step of q queries (the run length from a forward budget reads it);
@@ -37,6 +44,12 @@ class OptimizerCapabilities:
 
     def state_bytes(self, entries: int, width: int) -> float:
         return 0.0
+
+    def step_bytes(self, trained: "TrainedSet", queries: int) -> float:
+        return 0.0
+
+    def activation_copies(self, width: int) -> float:
+        return 1
 
     @property
     def forwards_per_query(self) -> int:

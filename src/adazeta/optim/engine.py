@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 import torch
 
 from adazeta.registry import ESTIMATORS
+from adazeta.optim.memory import TrainedSet, draw_bytes, piece_bytes
 from adazeta.optim.spsa import DirectionCache, Masks, NoiseLayout, _each_draw, perturb_, zo_update_
 
 if TYPE_CHECKING:
@@ -85,6 +86,12 @@ class Step:
 
             _each_draw(layout, seed, self.masks, gather)
         return [g.view(p.shape) for g, p in zip(out, self.params)]
+
+
+def dense_bytes(t: TrainedSet, kept: bool, then: int = 0) -> int:
+    """The peak of a rule on ``Step.dense``: g_hat in at least float32, beside one piece of z scaled into it
+    while it is summed (a drawn z: beside the pass's noise), then beside the rule's own ``then`` bytes."""
+    return t.work + max(piece_bytes(t, kept) + (0 if kept else draw_bytes(t)), then)
 
 
 class UpdateRule:
@@ -153,6 +160,7 @@ class Estimator:
     ``forwards(q)``: forward passes of a step of q queries; ``batched``: whether ``batched_queries`` (weight
     replicas) applies; ``parallel``: the ``distributed.mode``s that can spread its queries or data.
     ``estimate(opt, closure, params, seeds, masks, cache, plan)`` -> (every loss evaluated, g of each query).
+    ``forward_mode``: its evaluations are jvps, not perturbed forwards (what its memory is: ``ZOSGDConfig``).
     """
 
     name: str
@@ -161,6 +169,7 @@ class Estimator:
     batched: bool = True
     parallel: tuple[str, ...] = ("auto", "query", "data")
     differences: str = "central"  # the finite differences ``ZOSGD``'s own evaluation takes (central, one_sided)
+    forward_mode: bool = False
 
 
 def register_estimator(estimator: Estimator) -> Estimator:

@@ -10,6 +10,7 @@ import torch
 
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS, OptimizerCapabilities
+from adazeta.optim.memory import TrainedSet
 from adazeta.optim.spsa import decay_groups
 
 
@@ -27,6 +28,12 @@ class AdamWConfig(OptimizerCapabilities):
 
     def state_bytes(self, entries: int, width: int) -> float:
         return entries * 2.0 * width  # exp_avg and exp_avg_sq, in the trained parameters' dtype
+
+    def step_bytes(self, trained: TrainedSet, queries: int) -> float:
+        # torch's per-tensor path (a CPU): a tensor's sqrt(v) and its quotient while the last tensor's denominator
+        # lives on; its multi-tensor path (a GPU): sqrt(v) of every tensor at once
+        per_tensor = 3 * trained.largest * trained.width
+        return per_tensor if trained.device == "cpu" else max(per_tensor, trained.nbytes)
 
     def __post_init__(self) -> None:
         # Hydra hands lists; a tuple keeps the config hashable and matches torch's signature.

@@ -3,7 +3,8 @@ directional derivative g_q = grad L(w) . z_q from one forward-mode pass (``torch
 difference, then ZO-SGD's update w <- w - lr ((1/Q) sum_q g_q z_q + wd w) from the same seeded directions.
 
 One query costs one forward (a jvp: the forward plus its tangents, about twice a forward's arithmetic and the
-activations' tangents in memory, no stored graph). The closure must expose its model (``closure.model``: the
+activations' tangents in memory, no stored graph; its matmul's forward-mode rule copies a weight, the LM head's at
+most). The closure must expose its model (``closure.model``: the
 training loop's classification and LM objectives do), whose trainable parameters are swapped for the jvp's
 inputs while it runs; a generation objective (F1 of sampled answers) has no derivative and is refused. ``eps``
 is unused. Queries run one after another on one process; attention runs through the math kernel (the fused
@@ -77,7 +78,8 @@ def _forward_grad(opt: ZOSGD, closure, params, seeds, masks, cache, plan) -> tup
     return torch.stack(losses), torch.stack(grads)
 
 
-register_estimator(Estimator("forward_grad", lambda q: q, _forward_grad, batched=False, parallel=()))
+register_estimator(Estimator("forward_grad", lambda q: q, _forward_grad, batched=False, parallel=(),
+                             forward_mode=True))
 
 
 @dataclasses.dataclass

@@ -37,6 +37,7 @@ import torch
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
 from adazeta.optim.engine import Step, UpdateRule, decay_
+from adazeta.optim.memory import TrainedSet, draw_bytes, piece_bytes
 from adazeta.optim.own_directions import OwnDirectionsConfig, OwnDirectionsZO, work_dtype
 from adazeta.optim.spsa import NoiseLayout, _each_draw, decay_groups, projected_gradient
 from adazeta.optim.zo_sgd import zo_settings
@@ -151,6 +152,17 @@ class HiZOOConfig(OwnDirectionsConfig):
 
     def state_bytes(self, entries: int, width: int) -> float:
         return entries * max(width, 4) * HessianRule.buffers  # Sigma, in at least float32
+
+    def estimate_bytes(self, trained: TrainedSet, queries: int) -> float:
+        # ZO-SGD's (a copy of w, the z alive), and a piece's z in Sigma's dtype, sqrt(Sigma) and their quotient
+        pieces = (3 if trained.width < 4 else 2) * piece_bytes(trained, self.kept_directions(trained, queries) > 0)
+        return super().estimate_bytes(trained, queries) + pieces
+
+    def update_bytes(self, trained: TrainedSet, kept: bool) -> float:
+        # sum_q h_q z_q^2 and sum_q g_q z_q, whole, beside a pass's noise and a piece's z in Sigma's dtype, z h_q
+        # and z g_q, then beside a tensor's sqrt(Sigma')
+        pieces = (3 if trained.width < 4 else 2) * piece_bytes(trained, kept)
+        return 2 * trained.work + max((0 if kept else draw_bytes(trained)) + pieces, trained.largest_work)
 
     def __post_init__(self) -> None:
         super().__post_init__()

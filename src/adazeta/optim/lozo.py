@@ -44,6 +44,7 @@ import torch
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
 from adazeta.optim.engine import Step, UpdateRule, decay_
+from adazeta.optim.memory import TrainedSet
 from adazeta.optim.own_directions import (
     OwnDirectionsConfig, OwnDirectionsZO, matrix_shape, summed_factors, work_dtype,
 )
@@ -137,6 +138,27 @@ class LOZOConfig(OwnDirectionsConfig):
 
     def state_bytes(self, entries: int, width: int) -> float:
         return 0.0  # V is redrawn from (seed, window) each step: nothing is kept between steps
+
+    def kept_directions(self, trained: TrainedSet, queries: int) -> int:
+        return 0  # U_q and z_q are redrawn from the seeds for the update
+
+    def factor_bytes(self, trained: TrainedSet) -> tuple[int, int]:
+        """(every V, one query's U_q and z_q), in at least float32."""
+        width = max(trained.width, 4)
+        matrices = trained.matrices()
+        basis = sum(n * self.rank for _, n in matrices) * width
+        return basis, (sum(m * self.rank for m, _ in matrices) + trained.vector_entries()) * width
+
+    def estimate_bytes(self, trained: TrainedSet, queries: int) -> float:
+        # every V and a query's U_q beside the copy of w, and a matrix's U_q V^T
+        basis, factors = self.factor_bytes(trained)
+        return self.restore_copy_bytes(trained) + basis + factors + trained.largest_work
+
+    def update_bytes(self, trained: TrainedSet, kept: bool) -> float:
+        # every V and the summed U, beside a query's U_q and the last query's (``summed_factors``), then beside a
+        # matrix's (sum U) V^T
+        basis, factors = self.factor_bytes(trained)
+        return basis + factors + max(2 * factors, trained.largest_work)
 
     def __post_init__(self) -> None:
         super().__post_init__()

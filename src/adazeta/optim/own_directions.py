@@ -27,6 +27,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 
 from adazeta.errors import ConfigError
+from adazeta.optim.memory import TrainedSet
 from adazeta.optim.spsa import NOISE_STREAMS
 from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, _as_loss
 
@@ -113,6 +114,10 @@ class OwnDirectionsConfig(ZOSGDConfig):
     @property
     def parallel_modes(self) -> tuple[str, ...]:
         return ()
+
+    def restore_copy_bytes(self, trained: TrainedSet) -> int:
+        """The copy of the weights ``evaluate`` restores them from: a set of at most ``KEEP_WEIGHTS_BYTES``."""
+        return trained.nbytes if trained.nbytes <= ZOSGD.KEEP_WEIGHTS_BYTES else 0
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -20,6 +20,8 @@ import torch
 
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
+from adazeta.optim import spsa
+from adazeta.optim.memory import TrainedSet
 from adazeta.optim.spsa import MASK_SLICE, Masks, PackedMask, RandomMask, decay_groups, mask_seed
 from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 
@@ -153,6 +155,22 @@ class SparseZOSGDConfig(ZOSGDConfig):
     def state_bytes(self, entries: int, width: int) -> float:
         # the magnitude mask is kept, one bit per entry (spsa.PackedMask); a random mask is redrawn, never kept
         return entries / 8 if self.mask == "magnitude" else 0.0
+
+    def mask_bytes(self, trained: TrainedSet) -> int:
+        """What masking a pass's noise holds. Random: the bools of a chunk's tensors or of the largest one, beside
+        its uniform draw (``spsa._uniform_below``: on a CPU ``MASK_SLICE`` entries at a time). Magnitude: a slice's
+        bits spread to z's dtype (``PackedMask.mul_into_``)."""
+        if self.mask == "random":
+            bools = min(trained.entries, max(spsa.CHUNK_BYTES // trained.width, trained.largest))
+            uniform = min(trained.largest, spsa.MASK_SLICE) if trained.device == "cpu" else trained.largest
+            return bools + 4 * uniform
+        return min(trained.largest, spsa.MASK_SLICE) * (trained.width + 1)
+
+    def estimate_bytes(self, trained: TrainedSet, queries: int) -> float:
+        return super().estimate_bytes(trained, queries) + self.mask_bytes(trained)
+
+    def update_bytes(self, trained: TrainedSet, kept: bool) -> float:
+        return super().update_bytes(trained, kept) + self.mask_bytes(trained)
 
     def __post_init__(self) -> None:
         super().__post_init__()

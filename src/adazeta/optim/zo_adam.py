@@ -17,7 +17,8 @@ import torch
 
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
-from adazeta.optim.engine import Step, UpdateRule
+from adazeta.optim.engine import Step, UpdateRule, dense_bytes
+from adazeta.optim.memory import TrainedSet
 from adazeta.optim.spsa import decay_groups
 from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, zo_settings
 
@@ -60,6 +61,11 @@ class ZOAdamConfig(ZOSGDConfig):
 
     def state_bytes(self, entries: int, width: int) -> float:
         return entries * max(width, 4) * AdamRule.buffers
+
+    def update_bytes(self, trained: TrainedSet, kept: bool) -> float:
+        # beside g_hat, a tensor's g + wd w, sqrt(v) and its quotient while the last tensor's denominator lives on,
+        # then m / denom cast to the weights' dtype
+        return dense_bytes(trained, kept, then=(4 if self.weight_decay else 3) * trained.largest_work + trained.cast)
 
     def __post_init__(self) -> None:
         super().__post_init__()

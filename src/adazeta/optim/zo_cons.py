@@ -17,7 +17,8 @@ from typing import Iterable
 import torch
 
 from adazeta.optim import OPTIMIZERS
-from adazeta.optim.engine import Step, UpdateRule
+from adazeta.optim.engine import Step, UpdateRule, dense_bytes
+from adazeta.optim.memory import TrainedSet
 from adazeta.optim.spsa import decay_groups
 from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, _as_loss, zo_settings
 
@@ -64,8 +65,11 @@ class ZOConsConfig(ZOSGDConfig):
     def parallel_modes(self) -> tuple[str, ...]:
         return ()
 
-    def state_bytes(self, entries: int, width: int) -> float:
-        return entries * width  # not kept between steps: the copy of w the candidates return to, during a step
+    def update_bytes(self, trained: TrainedSet, kept: bool) -> float:
+        # beside g_hat, the copy of w the candidates return to and the move d (whole, through the candidates'
+        # forwards), and a tensor's w in d's dtype, +-d and their sum, cast to the weights' dtype
+        held = trained.nbytes + trained.work
+        return dense_bytes(trained, kept, then=held + 3 * trained.largest_work + trained.cast)
 
 
 @OPTIMIZERS.register("zo_cons", ZOConsConfig)

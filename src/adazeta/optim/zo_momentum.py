@@ -16,7 +16,8 @@ import torch
 
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
-from adazeta.optim.engine import Step, UpdateRule
+from adazeta.optim.engine import Step, UpdateRule, dense_bytes
+from adazeta.optim.memory import TrainedSet
 from adazeta.optim.spsa import decay_groups
 from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, zo_settings
 
@@ -51,6 +52,10 @@ class ZOMomentumConfig(ZOSGDConfig):
 
     def state_bytes(self, entries: int, width: int) -> float:
         return entries * max(width, 4) * MomentumRule.buffers  # the buffer, kept in at least float32
+
+    def update_bytes(self, trained: TrainedSet, kept: bool) -> float:
+        # beside g_hat, a tensor's g + wd w (the last one's still referenced) and its buffer in the weights' dtype
+        return dense_bytes(trained, kept, then=(2 * trained.largest_work if self.weight_decay else 0) + trained.cast)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -51,6 +51,7 @@ import torch
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
 from adazeta.optim.engine import Step, UpdateRule, decay_
+from adazeta.optim.memory import TrainedSet
 from adazeta.optim.lozo import _check_positive
 from adazeta.optim.own_directions import (
     OwnDirectionsConfig, OwnDirectionsZO, matrix_shape, summed_factors, work_dtype,
@@ -167,6 +168,36 @@ class ZOMuonConfig(OwnDirectionsConfig):
 
     def state_bytes(self, entries: int, width: int) -> float:
         return 0.0  # P is redrawn from (seed, window) each step: nothing is kept between steps
+
+    def kept_directions(self, trained: TrainedSet, queries: int) -> int:
+        return 0  # u_q and z_q are redrawn from the seeds for the update
+
+    def factor_bytes(self, trained: TrainedSet) -> tuple[int, int, int]:
+        """(every P, one query's u_q and z_q, the largest (r x n) matrix), in at least float32."""
+        width = max(trained.width, 4)
+        ranked = [(m, n, min(self.rank, m)) for m, n in trained.matrices()]
+        basis = sum(m * r for m, _, r in ranked) * width
+        factors = (sum(r * n for _, n, r in ranked) + trained.vector_entries()) * width
+        return basis, factors, max((r * n for _, n, r in ranked), default=0) * width
+
+    def subspace_bytes(self, trained: TrainedSet) -> int:
+        """Every P, beside the QR of the last one drawn (its Gaussian, Q and Q with R's signs)."""
+        basis, _, _ = self.factor_bytes(trained)
+        widest = max((m * min(self.rank, m) for m, _ in trained.matrices()), default=0)
+        return basis + 3 * widest * max(trained.width, 4)
+
+    def estimate_bytes(self, trained: TrainedSet, queries: int) -> float:
+        # P (and its QR) beside the copy of w, then a query's u_q and a matrix's P u_q
+        basis, factors, _ = self.factor_bytes(trained)
+        perturbing = basis + factors + trained.largest_work
+        return self.restore_copy_bytes(trained) + max(self.subspace_bytes(trained), perturbing)
+
+    def update_bytes(self, trained: TrainedSet, kept: bool) -> float:
+        # P (and its QR), then the summed u beside a query's u_q and the last query's (``summed_factors``), then
+        # beside a matrix's Newton-Schulz iterates (X, its two products and their sum: four r x n) and P NS5(R)
+        basis, factors, widest = self.factor_bytes(trained)
+        summing = max(2 * factors, 4 * widest + trained.largest_work)
+        return max(self.subspace_bytes(trained), basis + factors + summing)
 
     def __post_init__(self) -> None:
         super().__post_init__()

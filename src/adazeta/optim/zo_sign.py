@@ -15,7 +15,8 @@ from typing import Iterable
 import torch
 
 from adazeta.optim import OPTIMIZERS
-from adazeta.optim.engine import Step, UpdateRule, decay_
+from adazeta.optim.engine import Step, UpdateRule, decay_, dense_bytes
+from adazeta.optim.memory import TrainedSet
 from adazeta.optim.spsa import decay_groups
 from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, zo_settings
 
@@ -39,6 +40,9 @@ class ZOSignConfig(ZOSGDConfig):
     """ZO-SGD-Sign: ZO-SGD's estimate, the sign of it as the step; no state."""
 
     lr: float = 1e-5  # each moved entry moves by lr: far below ZO-SGD's rates
+
+    def update_bytes(self, trained: TrainedSet, kept: bool) -> float:
+        return dense_bytes(trained, kept, then=trained.largest_work + trained.cast)  # sign(g_i), in the weights' dtype
 
 
 @OPTIMIZERS.register("zo_sign", ZOSignConfig)

@@ -261,7 +261,8 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
-# What each optimizer keeps between steps, beside the weights (the dry run's ``optimizer_state`` estimates it).
+# What each optimizer keeps between steps, beside the weights (the dry run's ``optimizer_state`` estimates it; its
+# ``step_temporaries``, what one step holds while it runs).
 STATE = {"zo_sgd": "none: each direction is regenerated from its seed", "zo_sign": "none",
          "zo_momentum": "one buffer the size of the trained weights",
          "zo_cons": "none kept between steps; during a step, a copy of the trained weights (the point the "
@@ -269,7 +270,8 @@ STATE = {"zo_sgd": "none: each direction is regenerated from its seed", "zo_sign
          "zo_adam": "two buffers the size of the trained weights (at least float32) and a step count",
          "es": "none", "forward_grad": "none (a jvp's tangents live only during the step)",
          "hizoo": "one buffer (the diagonal Hessian) the size of the trained weights, at least float32",
-         "lozo": "the current V of each matrix (n x rank)", "zo_muon": "the current subspace P of each matrix (m x rank)",
+         "lozo": "none: V is redrawn from (seed, window) each step",
+         "zo_muon": "none: the subspace P is redrawn from (seed, window) each step",
          "sparse_zo_sgd": "the magnitude mask, one bit per trained weight (none for the random mask)",
          "adamw": "two buffers the size of the trained weights and a step count"}
 ZO_SGD = """MeZO's zeroth-order SGD (Malladi et al., NeurIPS 2023; reference code princeton-nlp/MeZO, and the AdaZeta
