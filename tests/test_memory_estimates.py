@@ -10,7 +10,10 @@ and its z kept set to zero; "small": as is, under them, as an adapter set is) or
 
 from __future__ import annotations
 
+import csv
 import functools
+import json
+import sys
 import pytest
 import torch
 from torch._C._profiler import _EventType
@@ -105,3 +108,18 @@ def test_the_dry_run_estimate_holds_for_a_measured_step_of_every_optimizer(data_
     assert peak <= TOLERANCE * estimate + SLACK, where
     assert estimate <= HONEST * peak + SLACK, where
 
+
+def test_the_memory_bench_keeps_its_rows_without_an_inference_row(data_dir, tmp_path, monkeypatch, capsys):
+    from adazeta.tools import bench_memory
+
+    out = tmp_path / "memory.csv"
+    monkeypatch.setattr(sys, "argv", ["bench_memory", "--methods", "adazeta", "--model", "tiny-llama", "--task", "rte",
+                                      "--batch-size", "4", "--steps", "1", "--set", f"data.dir={data_dir}",
+                                      "--out", str(out)])
+    bench_memory.main()
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["method"] for r in rows] == ["adazeta"] and rows[0]["ratio"] == ""  # no inference row: no ratio
+    assert float(rows[0]["step_mem_mb"]) >= 0 and float(rows[0]["estimate_step_mb"]) > 0  # estimate beside it
+    assert json.loads(out.with_suffix(".json").read_text())["rows"][0]["estimate_parts_mb"]["weights"] > 0
+    assert "| adazeta |" in capsys.readouterr().out

@@ -16,6 +16,10 @@ field, on TT adapters, with its forwards per step and seconds per forward beside
   ``/proc/self/clear_refs``), so that the transient of loading and dequantizing the model does not hide the
   step's own peak; the whole-process peak (``ru_maxrss``, what a run records) is reported beside it;
 - on a GPU, the CUDA peak allocated during the steps.
+Beside each measurement, the dry run's estimate of the same step (``adazeta.dryrun.memory_parts``, at the batch's
+length): ``step_mem_mb``, the peak's growth over the loaded model, against ``estimate_step_mb``, the estimate less
+its weights (``estimate_mb``: all of it; a CPU's peak also holds the Python runtime, about 500 MiB). The ratios
+to inference are left blank when ``--methods`` has no ``inference`` row.
 Writes ``results/bench/memory.csv`` under the current directory (one row per method) and ``memory.json`` (the
 rows plus provenance).
 Offline when $ADAZETA_MODEL_DIR / $ADAZETA_DATA_DIR (or ../shared) hold the model and data; else the Hub.
@@ -48,7 +52,7 @@ CHECKPOINTED = "_gc"  # a row name's suffix: its method with activation checkpoi
 WITH_OPTIMIZER = "+"  # ``<method>+<optimizer>``: the method with another optimizer option
 COLUMNS = [
     "method", "trainable_params", "peak_mem_mb", "ratio", "process_peak_mem_mb", "process_ratio", "step_s",
-    "forwards_per_step", "s_per_forward", "device", "measure",
+    "forwards_per_step", "s_per_forward", "device", "measure", "step_mem_mb", "estimate_step_mb", "estimate_mb",
 ]
 
 
@@ -105,6 +109,7 @@ def worker(method: str, args: argparse.Namespace) -> dict:
     from adazeta.optim import zeroth_order
     from adazeta.optim.batched import ReplicaClosure
     from adazeta.build import build, compose_settings, preflight, seed_everything
+    from adazeta.dryrun import memory_parts
     from adazeta.train import first_order_step
 
     overrides = [
@@ -127,7 +132,10 @@ def worker(method: str, args: argparse.Namespace) -> dict:
     items = built.enc["train"][: args.batch_size]
     batch = scorer.collate(items)
     zo = zeroth_order(optimizer)
-    del built
+    weights = list(scorer.model.parameters())
+    estimate = memory_parts(s, sum(p.numel() for p in weights), [tuple(p.shape) for p in weights if p.requires_grad],
+                            seq_len=int(batch.input_ids.shape[1]), largest_weight=max(p.numel() for p in weights))
+    del built, weights
 
     # The training loop's closure: a ZO optimizer may evaluate weight replicas or run a jvp through the model.
     closure = ReplicaClosure(scorer.model, functools.partial(scorer.replica_losses, batch), batch)
@@ -144,9 +152,11 @@ def worker(method: str, args: argparse.Namespace) -> dict:
     _release_free_heap()
     rss_start = (_status_kib("VmRSS") or 0) / 1024
     measure = "cuda_peak_allocated" if device.type == "cuda" else ("rss_hwm" if _reset_rss_peak() else "ru_maxrss")
+    start_mb = rss_start
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+        start_mb = torch.cuda.memory_allocated(device) / 2**20
     forwards_before = getattr(optimizer, "forward_passes", 0)
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -174,6 +184,12 @@ def worker(method: str, args: argparse.Namespace) -> dict:
         "s_per_forward": round(elapsed / forwards, 4),
         "device": device.type,
         "measure": measure,
+        # beside the measurement, the dry run's estimate of the same step (at this batch's length): the step's
+        # growth over the loaded model against the estimate less its weights; the whole against the estimate
+        "step_mem_mb": round(peak - start_mb, 1),
+        "estimate_step_mb": round((sum(estimate.values()) - estimate["weights"]) / 2**20, 1),
+        "estimate_mb": round(sum(estimate.values()) / 2**20, 1),
+        "estimate_parts_mb": {k: round(v / 2**20, 1) for k, v in estimate.items()},
     }
 
 
@@ -195,18 +211,24 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def _ratio(value: float | None) -> str:
+    """A ratio to the inference row, blank when the run measured none."""
+    return "" if value is None else f"{value:.2f}"
+
+
 def table(rows: list[dict]) -> str:
-    """A Markdown table: the rows the README shows."""
+    """A Markdown table: the rows the README shows, the dry run's estimates beside the measurements."""
     head = (
         "| method | trainable params | peak memory (MiB) | x inference | whole-process peak (MiB) | x inference "
-        "| s / step | forwards / step | s / forward |"
+        "| step's growth (MiB) | estimated (MiB) | s / step | forwards / step | s / forward |"
     )
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
-            f"| {r['method']} | {r['trainable_params']:,} | {r['peak_mem_mb']:,.0f} | {r['ratio']:.2f} | "
-            f"{r['process_peak_mem_mb']:,.0f} | {r['process_ratio']:.2f} | {r['step_s']:.2f} | "
-            f"{r.get('forwards_per_step', '')} | {r.get('s_per_forward', '')} |"
+            f"| {r['method']} | {r['trainable_params']:,} | {r['peak_mem_mb']:,.0f} | {_ratio(r['ratio'])} | "
+            f"{r['process_peak_mem_mb']:,.0f} | {_ratio(r['process_ratio'])} | {r['step_mem_mb']:,.0f} | "
+            f"{r['estimate_step_mb']:,.0f} | {r['step_s']:.2f} | {r.get('forwards_per_step', '')} | "
+            f"{r.get('s_per_forward', '')} |"
         )
     return "\n".join(lines)
 
@@ -230,8 +252,7 @@ def main() -> None:
         return
 
     rows = run_all(args)
-    print(table(rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)  # written before the table is printed: nothing is lost
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
@@ -244,6 +265,7 @@ def main() -> None:
     }
     args.out.with_suffix(".json").write_text(json.dumps({"rows": rows, **provenance}, indent=2) + "\n")
     print(f"wrote {args.out} and {args.out.with_suffix('.json')}", file=sys.stderr)
+    print(table(rows))
 
 
 if __name__ == "__main__":
