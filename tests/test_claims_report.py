@@ -196,7 +196,7 @@ def test_unpaired_runs_are_refused(results):
 
 
 def test_the_readme_cpu_zo_table_is_the_reports():
-    """The README's cpu_zo numbers are checked against results/tables/cpu_zo_report.md, which is generated from
+    """The cpu_zo page's numbers are checked against results/tables/cpu_zo_report.md, which is generated from
     the committed run files (make report NAME=cpu_zo: studies/cpu_zo/report.py)."""
     import re
 
@@ -224,7 +224,7 @@ def test_the_readme_cpu_zo_table_is_the_reports():
 
 
 def check_verdict_table(section: str, report: str) -> None:
-    """Each row of the README section's verdict table is one of the report's verdicts, word for word (its evidence
+    """Each row of the study page's verdict table is one of the report's verdicts, word for word (its evidence
     may quote the report's in parts, split at "; "), and every verdict of the report has its row."""
     import re
 
@@ -232,7 +232,7 @@ def check_verdict_table(section: str, report: str) -> None:
                 re.finditer(r"^- (\(.\) [^:]+): \*\*([^*]+)\*\*: (.*)$", report, re.M)}
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
             if line.startswith("| (")]
-    assert verdicts and {r[0] for r in rows} == set(verdicts), "the README lists every verdict, and no other"
+    assert verdicts and {r[0] for r in rows} == set(verdicts), "the page lists every verdict, and no other"
     for endpoint, verdict, evidence in rows:
         assert verdict == verdicts[endpoint][0], endpoint
         for part in evidence.split("; "):
@@ -240,7 +240,7 @@ def check_verdict_table(section: str, report: str) -> None:
 
 
 def test_the_readme_cpu_zo_speed_verdicts_and_state_are_the_reports():
-    """The README's cpu_zo_speed section against results/tables/cpu_zo_speed_report.md: its verdict table, and the
+    """The cpu_zo_speed page against results/tables/cpu_zo_speed_report.md: its verdict table, and the
     runs it says are in (the report's arm table: finished + diverged of planned)."""
     import re
 
@@ -257,7 +257,7 @@ def test_the_readme_cpu_zo_speed_verdicts_and_state_are_the_reports():
 
 
 def test_the_readme_cpu_zo_claims_verdicts_and_numbers_are_the_reports():
-    """The README's cpu_zo_claims section against results/tables/cpu_zo_claims_report.md (generated from the
+    """The cpu_zo_claims page against results/tables/cpu_zo_claims_report.md (generated from the
     committed runs): each row of its verdict table is one of the report's verdicts, word for word, and the
     baselines' and ZO arms' test accuracies it quotes are the report's."""
     import re

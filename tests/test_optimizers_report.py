@@ -138,7 +138,7 @@ def test_the_report_names_a_rate_chosen_at_an_end_of_its_grid(results):
      "# grad_fidelity:"),
 ])
 def test_the_readme_state_and_grid_numbers_are_the_reports(name, begin, end):
-    """Each experiment's README section against its report, generated from the committed runs: the grid runs and
+    """Each study page against its report, generated from the committed runs: the grid runs and
     chosen rates it says are in, every grid point it quotes (dev accuracy and best dev loss), and (cpu_zo_optimizers)
     its list of grid points that never changed a dev prediction."""
     import re
@@ -178,7 +178,7 @@ def test_the_readme_state_and_grid_numbers_are_the_reports(name, begin, end):
 
 
 def test_the_readme_displacement_figures_are_the_committed_measurements():
-    """The README's reading of results/tables/cpu_zo_optimizers_displacement.csv (tools/displacement on grid runs):
+    """The study page's reading of results/tables/cpu_zo_optimizers_displacement.csv (tools/displacement on grid runs):
     ZO-SGD-Sign, ZO-Adam and ES step by their lr per sqrt(step) in every group, on TT and on LoRA; ZO-SGD at 3e-4 on
     TT by 1.3e-3, about 4.3 lr, in every group, and at 1e-3 on LoRA by 1.7e-3."""
     import csv
@@ -265,7 +265,7 @@ def test_the_follow_up_reports_its_margin_its_twins_and_each_grids_spread(result
     ("lora", "The LoRA wave against `lora_zo_sgd`", "What the grids show", 6, ()),
 ])
 def test_the_readme_verdicts_are_the_reports(wave, begin, end, arms, named):
-    """The README's verdicts of each adapter wave against the generated report: each (c) difference it quotes
+    """The study page's verdicts of each adapter wave against the generated report: each (c) difference it quotes
     ("`arm` -1.7 [-2.8, -0.6]"), each median share of (a) it names, Forward-Grad's, and the goal's count of runs
     that reached 0.75."""
     import re
@@ -294,7 +294,7 @@ def test_the_readme_verdicts_are_the_reports(wave, begin, end, arms, named):
 
 
 def test_the_readme_follow_up_verdicts_are_the_reports():
-    """The README's verdicts on cpu_zo_optimizers_recentred's predictions against its generated report: each (c)
+    """The study page's verdicts on cpu_zo_optimizers_recentred's predictions against its generated report: each (c)
     difference it quotes with its verdict ("`tt_zo_adam` +1.5 [+0.3, +2.6] (confirmed)"), one per arm, the
     reference's test interval, and the median shares it names."""
     import re
@@ -323,7 +323,7 @@ def test_the_readme_follow_up_verdicts_are_the_reports():
 
 
 def test_hizoo_walks_zo_sgds_path_in_the_committed_runs():
-    """The README's reading of HiZOO at the registered smoothing (a = 1e-8): on both adapters, at every seed, its dev
+    """The study page's reading of HiZOO at the registered smoothing (a = 1e-8): on both adapters, at every seed, its dev
     loss at steps 100, 200 and 300 is within 0.0001 of ZO-SGD's at the same step, while it spends 3 forwards a step
     (334 steps in the budget) to ZO-SGD's 2 (500)."""
     import csv
@@ -342,7 +342,7 @@ def test_hizoo_walks_zo_sgds_path_in_the_committed_runs():
 
 
 def test_forward_grad_walks_zo_sgds_path_in_the_committed_runs():
-    """The README's reading of Forward-Grad: the same seeded directions and an exact directional derivative put its
+    """The study page's reading of Forward-Grad: the same seeded directions and an exact directional derivative put its
     dev loss within 0.001 of ZO-SGD's at the same step (steps 100 and 200), at every seed."""
     import csv
 
