@@ -108,10 +108,6 @@ def write_result(path: Path, record: dict[str, Any]) -> None:
     atomic_write_text(path, json.dumps(record, indent=2, default=str) + "\n")
 
 
-def read_result(path: Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
-
-
 def record_problem(record: Any) -> str | None:
     """What makes ``record`` (a parsed result.json) unusable to skip, compare or resume its run, or None."""
     if not isinstance(record, dict):

@@ -36,9 +36,6 @@ class Interval:
     hi: float
     n: int  # seeds (t_interval) or examples (bootstrap)
 
-    def excludes(self, value: float) -> bool:
-        return not (self.lo <= value <= self.hi)
-
     def show(self, scale: float = 1.0, digits: int = 1) -> str:
         """``mean [lo, hi]``; a single value when there is no interval (one seed)."""
         if math.isnan(self.lo):
