@@ -79,6 +79,14 @@ CASES = [
     (["model.dtype=fp8"], "model.dtype='fp8' is not one of fp32, bf16, fp16"),
     (["model.device=tpu"], "model.device='tpu' must be auto, cpu, cuda or cuda:N"),
     (["model.max_length=4"], "model.max_length=4 must be >= 8"),
+    (["model.quantize=int4"], "model.quantize='int4' is not null or one of int8"),
+    (["model.compile=fast"], "model.compile='fast' is not null or one of inductor, aot_eager, eager"),
+    (["model.adapter_dtype=bf16"], "model.adapter_dtype='bf16' is not one of fp32, backbone"),
+    # int8 weights are frozen copies: a method that trains the backbone's weights cannot use them
+    (["method=mezo", "model.quantize=int8"], "model.quantize=int8 freezes the backbone's weights as int8 copies, "
+                                             "but method 'mezo' trains them"),
+    (["method=ft", "model.quantize=int8"], "but method 'ft' trains them"),
+    (["method=sparse_mezo", "model.quantize=int8"], "but method 'sparse_mezo' trains them"),
     (["task.num_dev=0"], "task.num_dev=0 must be >= 1"),
     (["train.eval_every=0"], "train.eval_every=0 must be >= 1"),
     (["train.grad_accum=0"], "train.grad_accum=0 must be >= 1"),

@@ -24,7 +24,7 @@ from torch import nn
 import adazeta.adapters  # noqa: F401  (registers the built-in adapters)
 import adazeta.optim  # noqa: F401  (registers the built-in optimizers)
 from adazeta.adapters import ADAPTERS
-from adazeta import distributed
+from adazeta import distributed, precision
 from adazeta.calibration import content_free_examples
 from adazeta.errors import ConfigError
 from adazeta.icl import add_demonstrations_, add_per_example_demonstrations_, with_demonstrations
@@ -79,6 +79,7 @@ def preflight(s: Settings) -> None:
     if hidden and hasattr(s.adapter.config, "check_hidden"):
         s.adapter.config.check_hidden(hidden)
     s.adapter.config.check_ready()
+    precision.check(s.model, s.adapter.config.trains_backbone, s.method)
     why = unused_keys(s).get("train.gradient_checkpointing")
     if why is not None:  # from a config file: a command line setting it is refused earlier (adazeta.overrides)
         raise ConfigError(f"train.gradient_checkpointing=true: {why}")
@@ -199,9 +200,13 @@ def build(s: Settings, loaded: LoadedModel | None = None, data: TaskData | None 
     model = attach_adapter(s, loaded.model)
     if s.train.gradient_checkpointing:  # first-order methods only (preflight)
         enable_gradient_checkpointing_(model)
-    total, trainable = count_parameters(model)
+    total, trainable = count_parameters(model)  # before int8 weights turn frozen parameters into buffers
     log.info("model %s from %s on %s: %s parameters, %s trainable (%s)", s.model.name, loaded.source.kind,
              loaded.device, f"{total:,}", f"{trainable:,}", s.adapter.kind)
+    if loaded.device.type == "cpu":
+        log.info(precision.cpu_line(s.model.dtype))
+    if done := precision.apply_(model, s.model, loaded.family):
+        log.info("backbone: %s", ", ".join(f"{k}={v}" for k, v in done.items()))
     tok = loaded.tokenizer
     # The task for the model's family, bound once, with the mask token a masked template holds.
     task = s.bound_task().with_mask(getattr(tok, "mask_token", None))

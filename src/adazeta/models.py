@@ -21,6 +21,7 @@ from torch import nn
 
 from adazeta.adapters.sites import check_placements
 from adazeta.errors import ConfigError
+from adazeta.precision import ADAPTER_DTYPES, COMPILE_BACKENDS, QUANTIZATIONS
 
 FAMILIES = ("causal", "masked")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -41,7 +42,14 @@ class ModelConfig:
     random_init: bool = False  # build from `architecture` with random weights (tests, dry runs)
     # model_type + config fields; dry runs build it on `meta`. None: read from the model's own config.
     architecture: dict[str, Any] | None = None
-    dtype: str = "fp32"  # fp32 or bf16 for the backbone; adapters always stay fp32
+    dtype: str = "fp32"  # fp32, bf16 or fp16 for the backbone; adapters' weights always stay fp32
+    # The adapters' products: fp32 (inputs cast up, outputs cast back) or backbone (autocast to model.dtype; their
+    # weights and ZO perturbations stay fp32). Same as fp32 on an fp32 backbone.
+    adapter_dtype: str = "fp32"
+    # torch.compile backend for the backbone (with its adapters): inductor, aot_eager or eager; None: not compiled
+    compile: str | None = None
+    # int8: the frozen backbone's linear layers as int8 weights with a scale per row (adapter methods only)
+    quantize: str | None = None
     device: str = "auto"  # auto picks CUDA when present, else CPU
     # Spread the model over the visible GPUs (accelerate's dispatch: auto, balanced, balanced_low_0, sequential;
     # CPU offload as a last resort) instead of loading it on `device`: for models larger than one GPU.
@@ -59,6 +67,12 @@ class ModelConfig:
             raise ConfigError(f"model.family={self.family!r} is not one of {', '.join(FAMILIES)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.adapter_dtype not in ADAPTER_DTYPES:
+            raise ConfigError(f"model.adapter_dtype={self.adapter_dtype!r} is not one of {', '.join(ADAPTER_DTYPES)}")
+        if self.compile is not None and self.compile not in COMPILE_BACKENDS:
+            raise ConfigError(f"model.compile={self.compile!r} is not null or one of {', '.join(COMPILE_BACKENDS)}")
+        if self.quantize is not None and self.quantize not in QUANTIZATIONS:
+            raise ConfigError(f"model.quantize={self.quantize!r} is not null or one of {', '.join(QUANTIZATIONS)}")
         if self.max_length < 8:
             raise ConfigError(f"model.max_length={self.max_length} must be >= 8")
         if self.random_init and not self.architecture:
