@@ -111,3 +111,32 @@ def zo_fidelity(
 def expected_cosine(queries: int, dim: int) -> float:
     """E[cos(g_hat_Q, g)] ~ sqrt(Q / (Q + d + 1)) for Gaussian directions (large d; exact FD)."""
     return math.sqrt(queries / (queries + dim + 1))
+
+
+@torch.no_grad()
+def projected_gradients(params: Sequence[torch.Tensor], loss: Loss, seed: int, n: int, eps: float) -> list[float]:
+    """The central differences ``[L(w + eps z_q) - L(w - eps z_q)] / (2 eps)`` of the first ``n`` directions of
+    ``seed`` (``query_seed(seed, 0, q)``): two models given the same seed are measured on the same directions."""
+    params = list(params)
+    out = []
+    for q in range(n):
+        s = query_seed(seed, 0, q)
+        perturb_(params, s, eps)
+        plus = loss()
+        perturb_(params, s, -2 * eps)
+        minus = loss()
+        perturb_(params, s, eps)
+        out.append(float(projected_gradient(plus, minus, eps)))
+    return out
+
+
+@torch.no_grad()
+def estimate_cosine(params: Sequence[torch.Tensor], projections: Sequence[float], seed: int,
+                    true_grad: Sequence[torch.Tensor]) -> float:
+    """cos(g_hat, g) of the estimate ``mean_q projections[q] z_q`` (the directions of ``seed``) with ``true_grad``."""
+    params = list(params)
+    total = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    for q, proj in enumerate(projections):
+        torch._foreach_add_(total, [t.float() for t in directions(params, query_seed(seed, 0, q))], alpha=proj)
+    norms = math.sqrt(_dot(total, total)) * math.sqrt(_dot(true_grad, true_grad))
+    return _dot(total, true_grad) / norms if norms else float("nan")

@@ -24,6 +24,8 @@ from adazeta.tools.bench.evaluation import measure_evaluation
 from adazeta.tools.bench.forwards import measure_forwards
 from adazeta.tools.bench.memory import measure_memory, memory_phase
 from adazeta.tools.bench.methods import measure_methods
+from adazeta.precision import COMPILE_BACKENDS
+from adazeta.tools.bench.options import measure_options
 from adazeta.tools.bench.output import COLUMNS, markdown, verdicts
 from adazeta.tools.bench.scaling import measure_scaling
 from adazeta.tools.bench.steps import measure_first_order, measure_zo_steps
@@ -74,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="batched queries: loss evaluations per forward (one batched variant per value), or "
                              "auto: chosen per batch within --query-memory x the inference forward's memory")
     parser.add_argument("--query-memory", type=float, default=0.05, help="query_chunk=auto's memory budget")
+    parser.add_argument("--options", action="store_true",
+                        help="the backbone's speed options side by side (bf16, fp16, adapters in the backbone's "
+                             "dtype, int8 weights, compile): times as ratios to fp32, roofline, memory, fidelity")
+    parser.add_argument("--compile-backend", choices=COMPILE_BACKENDS, default="inductor",
+                        help="the torch.compile backend --options measures")
     parser.add_argument("--only-memory", action="store_true", help="the memory phases alone (no timings)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median, min, max)")
     parser.add_argument("--overhead-pairs", type=int, default=11,
@@ -106,21 +113,25 @@ def main() -> None:
     report = Report()
     print(f"bench: {args.model} ({args.dtype}), batch {args.batch_size}, {args.repeats} repeats after "
           f"{args.warmup} warm-up; load average {load_before[0]:.2f} on {os.cpu_count()} CPUs", file=sys.stderr)
-    info = {} if args.only_memory else measure_speed(args, report)
-    if not args.skip_memory:
+    summary: list[str] = []
+    if args.options:
+        info, summary = {}, measure_options(args, report)
+    else:
+        info = {} if args.only_memory else measure_speed(args, report)
+    if not args.skip_memory and not args.options:
         measure_memory(args, report)
     load_after = os.getloadavg()
 
     device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     name = f"{args.model}{'-random' if args.weights == 'random' and 'random' not in args.model else ''}" \
-           f"-{device}-{args.dtype}{'' if args.noise == 'per_tensor' else '-' + args.noise}"
+           f"-{device}-{'options' if args.options else args.dtype}{'' if args.noise == 'per_tensor' else '-' + args.noise}"
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / f"{name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()} for r in report.rows)
     table = markdown(report)
-    checks = verdicts(report, args)
+    checks = summary or verdicts(report, args)
     busy = load_before[0] > 0.5 * (os.cpu_count() or 1) or load_after[0] > 0.5 * (os.cpu_count() or 1)
     note = (f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after, on {os.cpu_count()} CPUs "
             f"({cpu_name()})"

@@ -1,0 +1,156 @@
+"""The backbone's speed options side by side (``--options``): fp32 and each option of the model config, on the
+machine the bench runs on, with AdaZeta's adapters on one SST-2 batch.
+
+Per option: the loss forward, the ZO step at Q = 1 (sequential) and Q = 4 (batched, chunk 4), evaluation
+throughput, each as a ratio to fp32 measured in the same run; the model's resident bytes (parameters and
+buffers); the roofline (the decoder's rate in FLOP/s over its linear layers, as a share of a dense matmul's
+rate in the same dtype); and fidelity: the ZO estimate's cosine with the fp32 autograd gradient at Q = 1, 4, 16,
+and the share of projected gradients whose sign agrees with fp32's on the same directions. An option whose
+cosine is more than 5 % below fp32's is flagged as measurably worse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from adazeta.fidelity import autograd_gradient, estimate_cosine, projected_gradients
+from adazeta.optim.batched import ReplicaClosure
+from adazeta.precision import BF16_FEATURES, Int8Linear, cpu_flags
+from adazeta.results import cpu_name
+from adazeta.scoring import lm_parts
+from adazeta.tools.bench.common import Report, Setup, setup_for, timed, zo_optimizer
+
+FIDELITY_QUERIES = (1, 4, 16)
+WORSE = 0.05  # a cosine this much below fp32's (relative) is measurably worse
+
+
+def options(compile_backend: str) -> dict[str, list[str]]:
+    """Option name -> the model overrides it sets (fp32 first: the reference of every ratio)."""
+    return {
+        "fp32": ["model.dtype=fp32"],
+        "bf16": ["model.dtype=bf16"],
+        "bf16, adapters bf16": ["model.dtype=bf16", "model.adapter_dtype=backbone"],
+        "fp16": ["model.dtype=fp16"],
+        "int8 weights": ["model.quantize=int8"],
+        f"compile ({compile_backend})": [f"model.compile={compile_backend}"],
+    }
+
+
+def option_setup(args: argparse.Namespace, overrides: list[str]) -> Setup:
+    """AdaZeta on the bench batch with ``overrides`` (``model.dtype`` among them replaces ``--dtype``)."""
+    dtype = next((o.split("=")[1] for o in overrides if o.startswith("model.dtype=")), args.dtype)
+    rest = [o for o in overrides if not o.startswith("model.dtype=")]
+    return setup_for(argparse.Namespace(**{**vars(args), "dtype": dtype}), "adazeta", extra=rest)
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (each tensor once)."""
+    seen = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def linear_weights(module: torch.nn.Module) -> int:
+    """Multiply-adds per token of ``module``'s linear layers (dense and int8)."""
+    return sum(m.in_features * m.out_features for m in module.modules()
+               if isinstance(m, (torch.nn.Linear, Int8Linear)))
+
+
+def matmul_rate(tokens: int, hidden: int, dtype: torch.dtype, repeats: int) -> float:
+    """FLOP/s of a dense (tokens x hidden) @ (hidden x 4 hidden) product in ``dtype``: the roofline's ceiling."""
+    x, w = torch.randn(tokens, hidden, dtype=dtype), torch.randn(4 * hidden, hidden, dtype=dtype)
+    F.linear(x, w)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        F.linear(x, w)
+    return 2 * tokens * hidden * 4 * hidden * repeats / (time.perf_counter() - start)
+
+
+def measure_option(args: argparse.Namespace, report: Report, name: str, setup: Setup) -> dict[str, float]:
+    """Forward, ZO steps, evaluation, memory and roofline of one option; returns the medians for the ratios."""
+    scorer, device = setup.scorer, setup.device
+    batch = scorer.collate(setup.items)
+    closure = ReplicaClosure(scorer.model, functools.partial(scorer.replica_losses, batch), batch)
+    q1, q4 = zo_optimizer(args, setup, False, 1), zo_optimizer(args, setup, True, 4)
+    eval_batches = scorer.batches(setup.dev_items, args.eval_batch_size, sort=True)
+    backbone, _ = lm_parts(scorer.model, setup.built.family)
+
+    def evaluate() -> None:
+        with torch.no_grad():
+            for b in eval_batches:
+                scorer.scores(b)
+
+    runs = {
+        "forward": torch.no_grad()(lambda: float(closure())),
+        "ZO step, Q=1": lambda: float(q1.step(closure, n_queries=1)),
+        "ZO step, Q=4 batched": lambda: float(q4.step(closure, n_queries=4)),
+        "evaluation": evaluate,
+    }
+    stats = timed(runs, device, args.repeats, args.warmup)
+    medians = {k: v.median for k, v in stats.items()}
+    medians["evaluation"] = len(setup.dev_items) / medians["evaluation"]  # examples per second
+    for key, st in stats.items():
+        report.add("options", key, name, medians[key] if key == "evaluation" else st, "ex/s" if key == "evaluation" else "s")
+    report.add("options", "model memory", name, model_bytes(scorer.model) / 2**20, "MiB")
+    tokens = int(batch.input_ids.numel())
+    hidden = setup.built.loaded.model.config.hidden_size
+    dtype = setup.settings.model.torch_dtype
+    decoder_rate = 2 * tokens * linear_weights(backbone) / stats["forward"].median
+    share = decoder_rate / matmul_rate(tokens, hidden, dtype, max(args.repeats, 3))
+    report.add("options", "decoder rate / dense matmul rate", name, share, "x")
+    medians["roofline"] = share
+    return medians
+
+
+def measure_fidelity(args: argparse.Namespace, report: Report, setups: dict[str, Setup]) -> dict[str, float]:
+    """Per option: cos(ZO estimate, fp32 autograd gradient) at Q = 1, 4, 16 and the sign agreement of its projected
+    gradients with fp32's on the same directions (direction seed 0, the method's eps)."""
+    ref = setups["fp32"]
+    eps = ref.settings.optimizer.config.eps
+    n = max(FIDELITY_QUERIES)
+
+    def loss_of(setup: Setup) -> Any:
+        batch = setup.scorer.collate(setup.items)
+        return lambda: setup.scorer.loss(batch)
+
+    ref_params = [p for _, p in ref.built.named]
+    grad = autograd_gradient(ref_params, loss_of(ref))
+    ref_proj = projected_gradients(ref_params, loss_of(ref), 0, n, eps)
+    cosines = {}
+    for name, setup in setups.items():
+        params = [p for _, p in setup.built.named]
+        proj = ref_proj if setup is ref else projected_gradients(params, loss_of(setup), 0, n, eps)
+        for q in FIDELITY_QUERIES:
+            cos = estimate_cosine(params, proj[:q], 0, grad)
+            report.add("fidelity", f"cosine with fp32 gradient, Q={q}", name, cos, "")
+            cosines[name] = cos
+        agree = sum((a > 0) == (b > 0) for a, b in zip(proj, ref_proj)) / n
+        report.add("fidelity", "projected-gradient sign agreement with fp32", name, agree, "")
+    return cosines
+
+
+def measure_options(args: argparse.Namespace, report: Report) -> list[str]:
+    """Every option, then the ratios to fp32 and the verdicts; returns the summary lines to print."""
+    flags = cpu_flags()
+    lines = [f"CPU: {cpu_name()}; " + ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in BF16_FEATURES)
+             + f"; {torch.get_num_threads()} threads"]
+    setups, medians = {}, {}
+    for name, overrides in options(args.compile_backend).items():
+        setups[name] = option_setup(args, overrides)
+        medians[name] = measure_option(args, report, name, setups[name])
+    cosines = measure_fidelity(args, report, setups)
+    base = medians["fp32"]
+    for name, m in medians.items():
+        speed = {k: (base[k] / m[k] if k != "evaluation" else m[k] / base[k]) for k in base if k != "roofline"}
+        for key, ratio in speed.items():
+            report.add("options", f"{key}: speed-up over fp32", name, ratio, "x")
+        worse = cosines[name] < (1 - WORSE) * cosines["fp32"]
+        lines.append(f"{name:<22} " + "  ".join(f"{k} {v:.2f}x" for k, v in speed.items())
+                     + f"  roofline {m['roofline']:.2f}  cos(Q=16) {cosines[name]:.3f}"
+                     + ("  MEASURABLY WORSE estimate than fp32" if worse else ""))
+    return lines

@@ -1,0 +1,24 @@
+"""The bench's --options mode prints every option with its ratio to fp32, the CPU's bf16 features and fidelity."""
+
+from __future__ import annotations
+
+import sys
+
+from adazeta.tools.bench import cli
+from adazeta.tools.bench.options import options
+
+
+def test_options_bench_prints_every_option_and_ratio(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench", "--options", "--weights", "random", "--model", "tiny-llama",
+                                      "--compile-backend", "eager", "--repeats", "1", "--warmup", "1",
+                                      "--batch-size", "2", "--eval-examples", "4", "--out", str(tmp_path)])
+    cli.main()
+    out = capsys.readouterr().out
+    assert "amx_bf16" in out and "avx512_bf16" in out
+    for name in options("eager"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(name + " "))
+        for key in ("forward", "ZO step, Q=1", "ZO step, Q=4 batched", "evaluation", "roofline", "cos(Q=16)"):
+            assert key in line, line
+    table = (tmp_path / "tiny-llama-random-cpu-options.md").read_text()
+    assert "projected-gradient sign agreement with fp32" in table and "model memory" in table
+    assert "cosine with fp32 gradient, Q=16" in table
