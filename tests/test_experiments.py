@@ -13,7 +13,7 @@ import pytest
 
 from adazeta.settings import parse
 from adazeta.errors import ConfigError
-from adazeta.tables import build_table, load_paper_numbers, load_results, select_on_dev, to_latex, to_markdown
+from adazeta.tools.tables import build_table, load_paper_numbers, load_results, select_on_dev, to_latex, to_markdown
 from helpers import CONF, ROOT, compose_cfg
 from test_cli import ENV
 
@@ -361,7 +361,7 @@ def test_parallel_and_cluster_launchers(tmp_path, fixture_data, launcher):
 
 def test_a_setting_is_what_the_run_used():
     """Seeds, paths, the task's version and its other family's prompt format do not split a setting."""
-    from adazeta.tables import setting_of
+    from adazeta.tools.tables import setting_of
 
     def config(family, **changes):
         cfg = {"seed": 0, "model": {"family": family}, "train": {"max_steps": 4},
@@ -388,7 +388,7 @@ def test_a_setting_is_what_the_run_used():
 def test_an_experiment_plan_that_grows_does_not_split_its_runs():
     """A new arm in an experiment's plan, or a model's placement table moved into its YAML, is not a setting."""
     from adazeta.rundir import config_differences
-    from adazeta.tables import setting_of
+    from adazeta.tools.tables import setting_of
 
     old = {"seed": 0, "model": {"family": "causal", "name": "m"}, "train": {"max_steps": 4},
            "arms": {"a": {"grid": [1]}}, "design": {"order": ["a"]}}
@@ -441,7 +441,7 @@ def test_committed_runs_of_one_arm_at_one_rate_are_one_setting():
     """Seeds of one arm run months apart must pool into one table cell: a key added to the config since (with its
     old-behaviour value) must not make a new setting (tables.ADDED_DEFAULTS), or a cell silently drops seeds."""
     from adazeta.record import read_record
-    from adazeta.tables import setting_of
+    from adazeta.tools.tables import setting_of
 
     results = load_results([ROOT / "results" / "runs"])
     assert len(results) > 20

@@ -6,7 +6,7 @@ import statistics
 
 import torch
 
-from adazeta.fidelity import autograd_gradient, expected_cosine, zo_fidelity
+from adazeta.tools.fidelity import autograd_gradient, expected_cosine, zo_fidelity
 from adazeta.scoring import Scorer
 from test_zo_health import tiny_batch, with_adapters
 

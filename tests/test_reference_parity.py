@@ -60,7 +60,7 @@ def test_without_the_collapse_rule_a_collapsed_evaluation_can_be_kept_as_the_ref
 
 
 def test_later_added_settings_at_their_old_value_are_the_same_setting():
-    from adazeta.tables import setting_id, setting_of
+    from adazeta.tools.tables import setting_id, setting_of
 
     old = {"method": {"name": "m", "optimizer": {"lr": 1e-3}}, "train": {"max_steps": 5}}
     new = {"method": {"name": "m", "optimizer": {"lr": 1e-3}, "calibration": "none"},

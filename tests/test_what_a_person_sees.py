@@ -253,7 +253,7 @@ def test_make_figures_writes_where_nothing_is_committed_unless_told(tmp_path, mo
 
 
 def test_the_memory_chart_names_do_not_overlap():
-    from adazeta.plots import memory_figure
+    from adazeta.tools.plots import memory_figure
     import pandas as pd
 
     methods = ["inference", "ft", "lora", "mezo", "sparse_mezo", "mezo_lora", "mezo_adapter", "adazeta", "tt_adapter",
@@ -290,7 +290,7 @@ def _run(method, losses, status="finished", seed=0):
 def test_each_method_keeps_one_colour_of_its_own_in_every_chart():
     from matplotlib.colors import to_hex
 
-    from adazeta.plots import convergence_figure, method_colors
+    from adazeta.tools.plots import convergence_figure, method_colors
 
     methods = ["adazeta", "ft", "lora", "mezo", "mezo_lora", "sparse_mezo", "tt_q1", "ada_official", "zero_shot_cc"]
     fig = convergence_figure([_run(m, [1.0, 0.9, 0.8]) for m in methods], "t")
@@ -307,7 +307,7 @@ def test_each_method_keeps_one_colour_of_its_own_in_every_chart():
 
 def test_a_diverged_run_does_not_set_the_loss_scale(monkeypatch, tmp_path):
     cpu_zo_report = study_script("cpu_zo")
-    from adazeta.plots import convergence_figure
+    from adazeta.tools.plots import convergence_figure
 
     fig = convergence_figure([_run("mezo_lora", [1.0, 0.8, 0.7]), _run("mezo", [1.0, 0.9, 0.8]),
                               _run("mezo", [1.0, 4.0, 31.0], "diverged", seed=1)], "t")

@@ -205,12 +205,12 @@ def build(s: Settings, loaded: LoadedModel | None = None, data: TaskData | None 
              loaded.device, f"{total:,}", f"{trainable:,}", s.adapter.kind)
     if loaded.device.type == "cpu":
         log.info(precision.cpu_line(s.model.dtype))
-    if done := precision.apply_(model, s.model, loaded.family):
-        log.info("backbone: %s", ", ".join(f"{k}={v}" for k, v in done.items()))
     tok = loaded.tokenizer
     # The task for the model's family, bound once, with the mask token a masked template holds.
     task = s.bound_task().with_mask(getattr(tok, "mask_token", None))
     scorer = Scorer.of(model, tok, loaded.family, loaded.device)  # encodes now; the objective joins it below
+    if done := precision.apply_(model, s.model, scorer.parts()[0]):  # the backbone the scorer calls
+        log.info("backbone: %s", ", ".join(f"{k}={v}" for k, v in done.items()))
     if data is None:
         data = load_task(task, s.data, s.seed, train_use(s) is not None)
     content_free = None

@@ -143,18 +143,15 @@ def autocast_forward(forward: Callable[..., Any], device: str, dtype: torch.dtyp
     return wrapped
 
 
-def apply_(model: nn.Module, model_cfg: Any, family: str) -> dict[str, Any]:
+def apply_(model: nn.Module, model_cfg: Any, backbone: nn.Module) -> dict[str, Any]:
     """Quantise, autocast and compile the backbone of ``model`` (the adapter attached) as ``model_cfg`` asks.
 
     Returns what was done, for the log. The decoder (encoder for a masked model), which the scorer calls, is
     the unit autocast and compile wrap in place: parameter names and the trainable set do not change.
     """
-    from adazeta.scoring import lm_parts
-
     done: dict[str, Any] = {}
     if model_cfg.quantize:
         done["quantized_linears"] = quantize_frozen_(model)
-    backbone, _ = lm_parts(model, family)
     dtype = model_cfg.torch_dtype
     if model_cfg.adapter_dtype == "backbone" and dtype != torch.float32:
         device = next(backbone.parameters()).device.type

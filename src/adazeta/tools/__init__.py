@@ -29,6 +29,9 @@ Benches and instruments (build runs as ``adazeta-run`` would, then measure):
 
 Shared by them:
     offline            ``../shared`` as the offline model and data folders when a tool runs directly
+    tables             result records to dev-selected tables (markdown, LaTeX), the paper's numbers beside
+    plots              the figures' pieces: colours per method, clipped loss axes, pixel-compared saving
+    fidelity           ZO gradient estimates against autograd (grad_fidelity and the bench's options)
 
 The rule (tests/test_layout.py): the tools import the library (``adazeta.*``); nothing outside ``adazeta.tools``
 imports ``adazeta.tools``.

@@ -41,7 +41,7 @@ COLUMNS = ["method", "trainable", "lr", "seed", "queries", "cosine", "expected_c
 
 
 def measure(method: str, queries: list[int], seeds: list[int], lr: float | None, extra: list[str]) -> Path:
-    from adazeta.fidelity import autograd_gradient, expected_cosine, zo_fidelity
+    from adazeta.tools.fidelity import autograd_gradient, expected_cosine, zo_fidelity
     from adazeta.build import build, compose_settings, seed_everything
 
     overrides, default_lr = METHODS[method]
@@ -114,7 +114,7 @@ def report() -> None:
                          f"{r.cos:.4f}{std} | {r.expected:.4f} | {r.rel:.1f} | {r.fd:.3f} | {r.dec:+.4f}{dstd} | "
                          f"{r.per_fwd:+.5f} |")
     (OUT / "fidelity.md").write_text("\n".join(lines) + "\n")
-    from adazeta.plots import method_colors, save_figure
+    from adazeta.tools.plots import method_colors, save_figure
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     colors = method_colors(order)  # one colour per method, the same in every chart

@@ -18,9 +18,9 @@ from pathlib import Path
 import pandas as pd
 
 from adazeta.tools import one_line_errors
-from adazeta.plots import convergence_figure, memory_figure, plt, read_run, run_figure, save_figure
+from adazeta.tools.plots import convergence_figure, memory_figure, plt, read_run, run_figure, save_figure
 from adazeta.record import read_record
-from adazeta.tables import load_results, select_on_dev, setting_id, setting_of
+from adazeta.tools.tables import load_results, select_on_dev, setting_id, setting_of
 
 
 @one_line_errors

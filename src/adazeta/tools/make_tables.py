@@ -17,7 +17,7 @@ from pathlib import Path
 from adazeta.paths import config_dir
 from adazeta.errors import ConfigError
 from adazeta.experiments import compose_experiment, design_of
-from adazeta.tables import build_table, load_paper_numbers, load_results, select_on_dev, to_latex, to_markdown
+from adazeta.tools.tables import build_table, load_paper_numbers, load_results, select_on_dev, to_latex, to_markdown
 from adazeta.tools.endpoints.matrix import report
 
 

@@ -19,11 +19,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from adazeta.fidelity import autograd_gradient, estimate_cosine, projected_gradients
+from adazeta.tools.fidelity import autograd_gradient, estimate_cosine, projected_gradients
 from adazeta.optim.batched import ReplicaClosure
 from adazeta.precision import BF16_FEATURES, Int8Linear, cpu_flags
 from adazeta.results import cpu_name
-from adazeta.scoring import lm_parts
 from adazeta.tools.bench.common import Report, Setup, setup_for, timed, zo_optimizer
 
 FIDELITY_QUERIES = (1, 4, 16)
@@ -78,7 +77,7 @@ def measure_option(args: argparse.Namespace, report: Report, name: str, setup: S
     closure = ReplicaClosure(scorer.model, functools.partial(scorer.replica_losses, batch), batch)
     q1, q4 = zo_optimizer(args, setup, False, 1), zo_optimizer(args, setup, True, 4)
     eval_batches = scorer.batches(setup.dev_items, args.eval_batch_size, sort=True)
-    backbone, _ = lm_parts(scorer.model, setup.built.family)
+    backbone, _ = scorer.parts()
 
     def evaluate() -> None:
         with torch.no_grad():

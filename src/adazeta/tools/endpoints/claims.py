@@ -319,7 +319,7 @@ def figure(runs: dict[str, dict[int, Run]], arms: list[str], path: Path) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from adazeta.plots import method_colors, save_figure
+    from adazeta.tools.plots import method_colors, save_figure
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     colours = method_colors(arms)  # one colour per arm, the same in every chart

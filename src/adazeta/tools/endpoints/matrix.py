@@ -27,10 +27,10 @@ import pandas as pd
 from adazeta import stats
 from adazeta.errors import ConfigError
 from adazeta.experiments import budget_at, compose_experiment, design_of
-from adazeta.plots import matrix_figure, plt, read_run, save_figure
+from adazeta.tools.plots import matrix_figure, plt, read_run, save_figure
 from adazeta.record import ENDED, read_record
 from adazeta.results import cpu_label
-from adazeta.tables import MISSING, _test_correctness, build_table, load_paper_numbers, load_results, select_on_dev
+from adazeta.tools.tables import MISSING, _test_correctness, build_table, load_paper_numbers, load_results, select_on_dev
 
 CALIBRATED = "calibrated"
 
@@ -222,7 +222,7 @@ def _table(name, selected, cells, calibrated, paper_path, ends, tasks, tables: P
     sizes = _split_sizes(cells, tasks)
     if sizes:
         legend.append("- splits (train / dev / test): " + "; ".join(f"{t} {s}" for t, s in sizes.items()) + ".")
-    from adazeta.tables import to_latex, to_markdown
+    from adazeta.tools.tables import to_latex, to_markdown
 
     markdown = f"# {header}\n\n" + to_markdown(table) + "\n".join(legend) + "\n"
     tables.mkdir(parents=True, exist_ok=True)
