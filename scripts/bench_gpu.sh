@@ -27,16 +27,16 @@ run() {  # run LIMIT_SECONDS NAME ARGS...
 }
 
 # SmolLM2-135M, today's noise stream: everything, every method, scaling, memory.
-run 150 smollm2 --weights random --model smollm2-135m "${COMMON[@]}" --repeats 5 --warmup 2 \
+run 110 smollm2 --weights random --model smollm2-135m "${COMMON[@]}" --repeats 5 --warmup 2 \
     --queries 1 4 8 --chunks 4 auto
 # The same step with the flat noise stream (one generator call per 4 M entries), times only.
-run 50 smollm2-flat --weights random --model smollm2-135m "${COMMON[@]}" --repeats 5 --warmup 2 --noise flat \
+run 40 smollm2-flat --weights random --model smollm2-135m "${COMMON[@]}" --repeats 5 --warmup 2 --noise flat \
     --queries 1 4 --chunks 4 --skip-memory --skip-reference --scaling-sizes --methods mezo mezo_lora adazeta
 # The backbone's speed options side by side (bf16, fp16, adapters in bf16, int8 weights, inductor compile; SDPA
 # attention is transformers' default on CUDA): ratios to fp32, roofline, memory, fidelity.
-run 150 smollm2-options --weights random --model smollm2-135m --device cuda --out "$OUT" --options \
+run 100 smollm2-options --weights random --model smollm2-135m --device cuda --out "$OUT" --options \
     --compile-backend inductor --repeats 5 --warmup 2 --eval-examples 64
 # A ~1.1 B Llama: fewer repeats.
-run 150 llama-1b --model llama-1b-random "${COMMON[@]}" --repeats 3 --warmup 1 --queries 1 4 --chunks 4 \
+run 110 llama-1b --model llama-1b-random "${COMMON[@]}" --repeats 3 --warmup 1 --queries 1 4 --chunks 4 \
     --memory-steps 1
 ls -l "$OUT"

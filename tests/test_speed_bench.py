@@ -171,11 +171,15 @@ def test_the_gpu_script_asks_for_what_the_bench_knows(monkeypatch, tmp_path):
     must parse, compose to the settings of a run for each of its methods, and name the models it means (a ~1.1 B
     Llama; SmolLM2's architecture with random weights), all inside its time limits."""
     runs = gpu_script_runs(str(tmp_path))
-    assert [name for _, name, _ in runs] == ["smollm2", "smollm2-flat", "llama-1b"]
+    assert [name for _, name, _ in runs] == ["smollm2", "smollm2-flat", "smollm2-options", "llama-1b"]
     assert sum(limit for limit, _, _ in runs) <= 360  # the script promises at most 6 minutes
     parser = cli.build_parser()
     for _, name, argv in runs:
         args = parser.parse_args(argv)
+        if args.options:  # every dtype side by side, fp32 the reference: no --dtype of its own
+            assert (args.device, args.out, args.compile_backend) == ("cuda", tmp_path, "inductor")
+            assert common.random_weights(args) and args.model == "smollm2-135m"
+            continue
         assert (args.device, args.dtype, args.out) == ("cuda", "bf16", tmp_path) and common.random_weights(args)
         monkeypatch.setattr(common, "NOISE", args.noise)
         for method in args.methods:

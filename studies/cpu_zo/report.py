@@ -264,7 +264,7 @@ def plot_grids(name, order, arms, seed, path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from adazeta.plots import loss_limits, plot_clipped, save_figure
+    from adazeta.tools.plots import loss_limits, plot_clipped, save_figure
 
     shown = [a for a in order if any(load(Job(a, lr, seed, name, []).run_dir) for lr in arms[a].lrs)]
     if not shown:
@@ -302,7 +302,7 @@ def plot(name, order, runs, arms, zero_test, path: Path, target: float) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from adazeta.plots import method_colors, save_figure
+    from adazeta.tools.plots import method_colors, save_figure
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     colors = method_colors(order)  # one colour per arm, the same in every chart
