@@ -185,3 +185,78 @@ def test_loaders_calibration_and_icl_take_the_task_bound_to_its_family():
                     offenders.append(f"{rel}: {getattr(node, 'name', 'lambda')}")
     assert not offenders, (f"functions taking a `family` parameter: {', '.join(offenders)}; take the task bound "
                            "to its family (TaskSpec.for_family) instead")
+
+
+def private_reaches(source: str, module: str, is_package: bool = False) -> list[str]:
+    """What ``source`` (the text of ``module``) takes of another adazeta module's private names: a ``from ...
+    import _name``, an ``alias._name`` read on an imported adazeta module, an assignment to any attribute of one
+    (a patch at run time), and ``x._name(...)`` calls of a project method on an object (an optimizer's private
+    estimate, say). Dunder names and a class's own ``self._x`` / ``cls._x`` are its own business."""
+    package = module if is_package else module.rpartition(".")[0]
+    tree = ast.parse(source)
+    aliases: dict[str, str] = {}  # local name -> the adazeta module it is
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            target = import_target(node, package)
+            if target.startswith("adazeta"):
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__") and target != module:
+                        found.append(f"from {target} import {a.name}")
+                    aliases[a.asname or a.name] = f"{target}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("adazeta"):
+                    aliases[a.asname or a.name.split(".")[0]] = a.asname and a.name or a.name.split(".")[0]
+    private = re.compile(r"^_(?!_)")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            owner = node.value.id
+            if owner in aliases and private.match(node.attr):
+                found.append(f"{owner}.{node.attr}")
+            elif (owner in aliases and isinstance(node.ctx, ast.Store)):
+                found.append(f"{owner}.{node.attr} = ...")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and private.match(node.func.attr)
+                and not (isinstance(node.func.value, ast.Name) and node.func.value.id in ("self", "cls", "torch"))
+                and node.func.attr in PROJECT_METHODS):
+            found.append(f"._{node.func.attr[1:]}()")
+    return found
+
+
+def project_private_methods() -> set[str]:
+    """Every private method name a class of the package defines (``_estimate``, ``_reset``, ...)."""
+    names = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names.update(f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                             and f.name.startswith("_") and not f.name.startswith("__"))
+    return names
+
+
+PROJECT_METHODS = project_private_methods()
+
+
+def test_no_module_reaches_a_private_name_of_another_or_patches_one():
+    """A module's private names are its own: another module importing one, reading it through the module, calling
+    an object's private method, or patching a module's attribute at run time couples the two behind the names
+    their docstrings promise (the bench once swapped ``spsa``'s draw functions for counters)."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for reach in private_reaches(path.read_text(), module_name(path), path.name == "__init__.py"):
+            offenders.append(f"{path.relative_to(PACKAGE)}: {reach}")
+    assert not offenders, "; ".join(offenders) + ": make the name public (documented) or keep the use in its module"
+
+
+@pytest.mark.parametrize("source,found", [
+    ("from adazeta.optim.spsa import _each_draw, perturb_", ["from adazeta.optim.spsa import _each_draw"]),
+    ("from .zo_sgd import ZOSGD, _as_loss", ["from adazeta.optim.zo_sgd import _as_loss"]),
+    ("from adazeta.optim import spsa\nspsa._each_draw(1)", ["spsa._each_draw"]),
+    ("from adazeta.optim import spsa\nspsa.each_draw = None", ["spsa.each_draw = ..."]),
+    ("import adazeta.saving as saving\nsaving._load_into(m)", ["saving._load_into"]),
+    ("def f(opt):\n    return opt._estimate_sequential(1)", ["._estimate_sequential()"]),
+    ("def f(self):\n    return self._estimate(1)", []),
+    ("from adazeta.optim.spsa import each_draw\nimport torch\ntorch._foreach_add_(a, b)", []),
+])
+def test_the_private_name_reader_sees_every_form(source, found):
+    assert private_reaches(source, "adazeta.optim.engine") == found

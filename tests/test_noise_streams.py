@@ -43,7 +43,7 @@ def _reference_masks(params, masks):
 
 class _ReferenceNoise:
     def __init__(self, seed):
-        self.streams = spsa._Streams(seed)
+        self.streams = spsa.Streams(seed)
 
     def draw(self, p, mask):
         z = torch.randn(p.shape, generator=self.streams.on(p.device), device=p.device, dtype=p.dtype)
@@ -431,5 +431,5 @@ def test_blocks_stream_threads_finish_before_an_error_is_raised(threads, monkeyp
         done.append(1)
 
     with pytest.raises(RuntimeError, match="boom"):
-        spsa._each_draw(layout, 3, None, apply)
+        spsa.each_draw(layout, 3, None, apply)
     assert len(done) == 9

@@ -66,7 +66,7 @@ def test_rows_name_the_source_examples_and_repeat_across_seeds(fixture_data, tmp
 def test_predictions_of_a_sorted_evaluation_come_back_in_split_order():
     import torch
 
-    from adazeta.evaluate import _predictions
+    from adazeta.evaluate import gather_predictions
     from adazeta.scoring import Batch
 
     def batch(index, gold, slots, max_c):
@@ -79,7 +79,7 @@ def test_predictions_of_a_sorted_evaluation_come_back_in_split_order():
     b2 = batch([1], [0], [0, 1], 2)
     s1 = torch.tensor([[0.1, 0.5, float("-inf")], [0.3, 0.2, 0.9]])
     s2 = torch.tensor([[0.4, -1.0]])
-    p = _predictions([(b1, s1), (b2, s2)], 3)
+    p = gather_predictions([(b1, s1), (b2, s2)], 3)
     assert p.gold == [2, 0, 1] and p.pred == [2, 0, 1]
     assert p.scores[0] == pytest.approx([0.3, 0.2, 0.9]) and p.scores[2] == pytest.approx([0.1, 0.5])
     assert p.correct == [1.0, 1.0, 1.0]

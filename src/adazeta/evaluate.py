@@ -182,7 +182,7 @@ def evaluate(
         if keep:
             predictions = Predictions(texts=texts, f1=f1s, em=ems)
     elif keep:
-        predictions = _predictions(kept, n)
+        predictions = gather_predictions(kept, n)
     model.train(was_training)
     metric = "f1" if generation is not None else "accuracy"
     if n == 0:
@@ -195,7 +195,7 @@ def evaluate(
     return EvalResult(mean_loss, score, n, metrics, tied_fraction, metric, predictions, dependence(predictions))
 
 
-def _predictions(kept: list[tuple[Batch, torch.Tensor]], n: int) -> Predictions:
+def gather_predictions(kept: list[tuple[Batch, torch.Tensor]], n: int) -> Predictions:
     """Per-example rows from each batch's scores, put back in the split's order (``Batch.index``)."""
     out = Predictions([0] * n, [0] * n, [[] for _ in range(n)])
     start = 0

@@ -121,7 +121,7 @@ def load_adapters(model: nn.Module, folder: str | Path) -> nn.Module:
             raise ConfigError(f"cannot load the LoRA adapters of {folder} onto this model ({type(err).__name__}: "
                               f"{str(err).splitlines()[0][:200]}); load them onto the base model they were trained on") from None
         if (folder / HEAD_WEIGHTS).is_file():
-            _load_into(wrapped, load_file(str(folder / HEAD_WEIGHTS)), folder / HEAD_WEIGHTS, untie=True)
+            load_into(wrapped, load_file(str(folder / HEAD_WEIGHTS)), folder / HEAD_WEIGHTS, untie=True)
         return wrapped
     meta_path = folder / ADAPTER_CONFIG
     if not meta_path.is_file():
@@ -142,7 +142,7 @@ def load_adapters(model: nn.Module, folder: str | Path) -> nn.Module:
     entry = ADAPTERS.get(meta["kind"])
     model = entry.builder(model, make_config(entry.config_cls, meta["config"], where=f"{meta_path} config"))
     if not dry:
-        _load_into(model, load_file(str(folder / ADAPTER_WEIGHTS)), folder / ADAPTER_WEIGHTS)
+        load_into(model, load_file(str(folder / ADAPTER_WEIGHTS)), folder / ADAPTER_WEIGHTS)
     return model
 
 
@@ -156,7 +156,7 @@ def _warn_other_name(model: nn.Module, base: dict[str, Any], folder: Path) -> No
                     folder, " / ".join(theirs), mine)
 
 
-def _load_into(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path, untie: bool = False) -> None:
+def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path, untie: bool = False) -> None:
     params = dict(model.named_parameters())
     for name, value in tensors.items():
         target = params.get(name)

@@ -16,7 +16,7 @@ A ZO step (``ZOSGD.step``) is
 An optimizer is a pair of them plus its config: ``zo_adam`` is ZO-SGD's estimator with the Adam rule. A new one
 is one Python file in this package (its config dataclass, declaring its capabilities, its rule or estimator, and a
 builder registered in ``OPTIMIZERS``) and one YAML in ``conf/optimizer/``. Optimizers whose directions are not
-the seeded Gaussian stream (HiZOO, LOZO, ZO-Muon) override ``ZOSGD._estimate`` and bring their own rule
+the seeded Gaussian stream (HiZOO, LOZO, ZO-Muon) override ``ZOSGD.estimate`` and bring their own rule
 (their common base: ``adazeta.optim.own_directions``).
 """
 
@@ -29,7 +29,7 @@ import torch
 
 from adazeta.registry import ESTIMATORS
 from adazeta.optim.memory import TrainedSet, draw_bytes, piece_bytes
-from adazeta.optim.spsa import DirectionCache, Masks, NoiseLayout, _each_draw, perturb_, zo_update_
+from adazeta.optim.spsa import DirectionCache, Masks, NoiseLayout, each_draw, perturb_, zo_update_
 
 if TYPE_CHECKING:
     from adazeta.distributed import StepPlan
@@ -84,7 +84,7 @@ class Step:
                     start = (view.data_ptr() - layout.flat[i].data_ptr()) // view.element_size()
                     out[i][start : start + z.numel()].add_(z.reshape(-1).to(out[i].dtype) * coef.to(out[i].dtype))
 
-            _each_draw(layout, seed, self.masks, gather)
+            each_draw(layout, seed, self.masks, gather)
         return [g.view(p.shape) for g, p in zip(out, self.params)]
 
 
@@ -182,16 +182,16 @@ def estimator(name: str) -> Estimator:
     return ESTIMATORS.get(name).builder
 
 
-def _differences(opt: "ZOSGD", closure: Closure, params: Sequence[torch.Tensor], seeds: Sequence[int], masks: Masks,
+def finite_differences(opt: "ZOSGD", closure: Closure, params: Sequence[torch.Tensor], seeds: Sequence[int], masks: Masks,
                  cache: DirectionCache, plan: "StepPlan | None") -> tuple[torch.Tensor, torch.Tensor]:
     """Finite differences (central or one-sided: the estimator's ``differences``), evaluated one forward per loss,
     in batched forwards over weight replicas, or spread over ranks (``plan``)."""
     if plan is None:
-        return opt._estimate(closure, params, seeds, masks, cache)
-    return opt._estimate_share(closure, params, seeds, masks, cache, plan)
+        return opt.estimate(closure, params, seeds, masks, cache)
+    return opt.estimate_share(closure, params, seeds, masks, cache, plan)
 
 
 # MeZO's estimator: g_q = (L(w + eps z) - L(w - eps z)) / (2 eps), 2Q forwards a step.
-register_estimator(Estimator("central", lambda q: 2 * q, _differences))
+register_estimator(Estimator("central", lambda q: 2 * q, finite_differences))
 # One-sided: g_q = (L(w + eps z) - L(w)) / eps, Q + 1 forwards (one unperturbed), biased by O(eps).
-register_estimator(Estimator("one_sided", lambda q: q + 1, _differences, differences="one_sided"))
+register_estimator(Estimator("one_sided", lambda q: q + 1, finite_differences, differences="one_sided"))

@@ -65,7 +65,7 @@ def _forward_grad(opt: ZOSGD, closure, params, seeds, masks, cache, plan) -> tup
 
         def loss_at(*weights: torch.Tensor) -> torch.Tensor:
             with swapped(sites, weights):
-                loss = torch.as_tensor(closure())  # not _as_loss: detaching would drop the tangent
+                loss = torch.as_tensor(closure())  # not as_loss: detaching would drop the tangent
             return loss.reshape(()).to(torch.promote_types(loss.dtype, torch.float32))
 
         # Forward-mode AD (no graph is kept: nothing asks for a backward), through the math attention kernel: the

@@ -39,7 +39,7 @@ from adazeta.optim import OPTIMIZERS
 from adazeta.optim.engine import Step, UpdateRule, decay_
 from adazeta.optim.memory import TrainedSet, draw_bytes, piece_bytes
 from adazeta.optim.own_directions import OwnDirectionsConfig, OwnDirectionsZO, work_dtype
-from adazeta.optim.spsa import NoiseLayout, _each_draw, decay_groups, projected_gradient
+from adazeta.optim.spsa import NoiseLayout, each_draw, decay_groups, projected_gradient
 from adazeta.optim.zo_sgd import zo_settings
 
 Piece = Callable[[int, int, torch.Tensor, torch.Tensor], None]  # (parameter index, first entry, flat view, z)
@@ -56,7 +56,7 @@ def _each_piece(layout: NoiseLayout, seed: int, kept: list[torch.Tensor] | None,
         for i, view, z in zip(index, views, zs):
             fn(i, (view.data_ptr() - layout.flat[i].data_ptr()) // view.element_size(), view, z)
 
-    _each_draw(layout, seed, None, apply)
+    each_draw(layout, seed, None, apply)
 
 
 def curvatures(losses: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,9 +113,9 @@ class HiZOO(OwnDirectionsZO):
 
     kind = "hizoo"
 
-    def _estimate(self, closure, params, seeds, masks=None, cache=None):  # type: ignore[override]
+    def estimate(self, closure, params, seeds, masks=None, cache=None):  # type: ignore[override]
         if cache is None:
-            raise ValueError("HiZOO._estimate needs the step's DirectionCache (ZOSGD.step passes it)")
+            raise ValueError("HiZOO.estimate needs the step's DirectionCache (ZOSGD.step passes it)")
         layout = cache.layout
         sigma = self.rule.sigma(params)  # type: ignore[attr-defined]
 

@@ -48,14 +48,14 @@ from adazeta.optim.memory import TrainedSet
 from adazeta.optim.own_directions import (
     OwnDirectionsConfig, OwnDirectionsZO, matrix_shape, summed_factors, work_dtype,
 )
-from adazeta.optim.spsa import _Streams, decay_groups, projected_gradient, subspace_seed
+from adazeta.optim.spsa import Streams, decay_groups, projected_gradient, subspace_seed
 from adazeta.optim.zo_sgd import zo_settings
 
 
 def lowrank_basis(params: Sequence[torch.Tensor], seed: int, rank: int) -> list[torch.Tensor | None]:
     """V (n x r) for each matrix parameter, None for a vector, standard normal from ``seed`` in the parameters'
     order (LOZO's lazily sampled factor)."""
-    streams = _Streams(seed)
+    streams = Streams(seed)
     out: list[torch.Tensor | None] = []
     for p in params:
         shape = matrix_shape(p)
@@ -66,7 +66,7 @@ def lowrank_basis(params: Sequence[torch.Tensor], seed: int, rank: int) -> list[
 
 def lowrank_factors(params: Sequence[torch.Tensor], seed: int, rank: int) -> list[torch.Tensor]:
     """U (m x r) for each matrix parameter, z shaped like a vector parameter, standard normal from ``seed``."""
-    streams = _Streams(seed)
+    streams = Streams(seed)
     out = []
     for p in params:
         shape = matrix_shape(p)
@@ -113,7 +113,7 @@ class LOZO(OwnDirectionsZO):
     def factors(self, params: Sequence[torch.Tensor], seed: int) -> list[torch.Tensor]:
         return lowrank_factors(params, seed, self.rank)
 
-    def _estimate(self, closure, params, seeds, masks=None, cache=None):  # type: ignore[override]
+    def estimate(self, closure, params, seeds, masks=None, cache=None):  # type: ignore[override]
         basis = self.basis(params)
 
         def move_(factors: list[torch.Tensor], scale: float) -> None:
@@ -162,11 +162,11 @@ class LOZOConfig(OwnDirectionsConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_positive("rank", self.rank)
-        _check_positive("step_interval", self.step_interval)
+        check_positive("rank", self.rank)
+        check_positive("step_interval", self.step_interval)
 
 
-def _check_positive(key: str, value: int) -> None:
+def check_positive(key: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"method.optimizer.{key}={value!r} must be an int >= 1")
 

@@ -77,7 +77,7 @@ class TrainedSet:
 
 
 def draw_bytes(t: TrainedSet) -> int:
-    """One pass's noise (``spsa._each_draw``): on a CPU, the small tensors' z a ``CHUNK_BYTES`` chunk at a time
+    """One pass's noise (``spsa.each_draw``): on a CPU, the small tensors' z a ``CHUNK_BYTES`` chunk at a time
     and a ``DRAW_SLICE`` buffer for the large ones; elsewhere a chunk, or a larger tensor's z whole."""
     if t.device == "cpu":
         sizes = [math.prod(s) for s in t.shapes]

@@ -2,7 +2,7 @@
 
 ZO-SGD's estimators perturb along the seeded Gaussian stream and its rules rebuild the estimate from it
 (``adazeta.optim.engine``). These optimizers shape their directions (HiZOO scales z by a diagonal Hessian, LOZO
-and ZO-Muon perturb a matrix in a low-rank subspace), so each overrides ``ZOSGD._estimate`` with
+and ZO-Muon perturb a matrix in a low-rank subspace), so each overrides ``ZOSGD.estimate`` with
 ``OwnDirectionsZO.evaluate`` (the forwards, one after another) and brings an ``UpdateRule`` that rebuilds its
 directions from the same seeds. What they share, here:
 
@@ -16,7 +16,7 @@ directions from the same seeds. What they share, here:
   (r_0 = 1) as one row; 1-D parameters (biases, norms) are plain vectors;
 - every random draw comes from local generators seeded from ``query_seed(seed, step, q)`` (per query) or
   ``subspace_seed(seed, step // step_interval)`` (a subspace kept for a window of steps), one generator per device
-  in the parameters' order (``spsa._Streams``), never the global RNG: a resumed run draws the same directions.
+  in the parameters' order (``spsa.Streams``), never the global RNG: a resumed run draws the same directions.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from adazeta.errors import ConfigError
 from adazeta.optim.memory import TrainedSet
 from adazeta.optim.spsa import NOISE_STREAMS
-from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, _as_loss
+from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, as_loss
 
 Closure = Callable[[], Any]
 
@@ -52,7 +52,7 @@ class OwnDirectionsZO(ZOSGD):
 
     kind: ClassVar[str] = "own_directions"  # the optimizer's registered name, for messages
 
-    def _estimate_share(self, closure, params, seeds, masks, cache, plan):  # type: ignore[override]
+    def estimate_share(self, closure, params, seeds, masks, cache, plan):  # type: ignore[override]
         raise ConfigError(f"{self.kind} runs on one process (its queries are sequential and its directions its own): "
                           "launch a single process")
 
@@ -68,12 +68,12 @@ class OwnDirectionsZO(ZOSGD):
             saved = [p.detach().clone() for p in params]
         losses: list[torch.Tensor] = []
         if baseline:
-            losses.append(_as_loss(closure()))
+            losses.append(as_loss(closure()))
         for seed in seeds:
             d = draw(seed)
             for sign in ((1.0, -1.0) if central else (1.0,)):
                 move_(d, sign * eps)
-                losses.append(_as_loss(closure()))
+                losses.append(as_loss(closure()))
                 if saved is not None:
                     torch._foreach_copy_(list(params), saved)  # exact, whatever the perturbation's rounding
                 else:

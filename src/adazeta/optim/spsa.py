@@ -61,7 +61,7 @@ def block_seed(seed: int, block: int) -> int:
     return int(state[0]) & _SEED_MASK
 
 
-class _Streams:
+class Streams:
     """Local generators seeded from one seed, one per device, created in the order devices are first met.
 
     Parameters split over several devices get one stream each; later devices derive their seed so that their
@@ -103,7 +103,7 @@ class RandomMask:
         self.seed, self.density = seed, density
 
     def for_params(self, params: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
-        streams = _Streams(self.seed)
+        streams = Streams(self.seed)
         for p in params:
             yield _uniform_below(p, self.density, streams.on(p.device))
 
@@ -283,7 +283,7 @@ class NoiseLayout:
         self.nbytes = sum(p.numel() * p.element_size() for p in self.params)
         devices = {p.device for p in self.params}
         self.device = devices.pop() if len(devices) == 1 else None  # the only device, or None
-        # Blocks drawn and applied on several CPU threads (``_each_draw``): the blocks stream, all on the CPU.
+        # Blocks drawn and applied on several CPU threads (``each_draw``): the blocks stream, all on the CPU.
         self.threaded = stream == "blocks" and len(self.blocks) > 1 and all(p.device.type == "cpu" for p in self.params)
         self._chunks: tuple[int, list[list[_Block]]] | None = None
 
@@ -398,7 +398,7 @@ class _Pieces:
 
 
 def _draw_chunk(
-    layout: NoiseLayout, chunk: Sequence[_Block], streams: _Streams, masks: _MaskPieces
+    layout: NoiseLayout, chunk: Sequence[_Block], streams: Streams, masks: _MaskPieces
 ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
     """(parameter index, parameter view, z) of every piece of ``chunk``: its noise drawn, in order, and masked."""
     pieces = _Pieces()
@@ -411,7 +411,7 @@ def _randn(block: _Block, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(block.numel, generator=generator, device=block.device, dtype=block.dtype)
 
 
-def _draw_blocks(layout: NoiseLayout, chunk: Sequence[_Block], streams: _Streams) -> list[torch.Tensor]:
+def _draw_blocks(layout: NoiseLayout, chunk: Sequence[_Block], streams: Streams) -> list[torch.Tensor]:
     """The draw of each block of ``chunk``: in order from the device's stream, or (``blocks``) each from its own
     generator, on several threads where the chunk is on a CPU and torch may use more than one."""
     generators = [streams.drawing(block, layout.stream) for block in chunk]
@@ -497,8 +497,17 @@ def _apply_sliced(layout: NoiseLayout, block: _Block, generator: torch.Generator
         apply(*pieces.masked(masks))
 
 
-def _each_draw(layout: NoiseLayout, seed: int, masks: Masks,
-               apply: Callable[[list[int], list[torch.Tensor], list[torch.Tensor]], None]) -> None:
+_DRAWS = [0]  # whole-set draws of z made in this process (``draws``): read by the bench, never by a step
+
+
+def draws() -> int:
+    """How many times this process has drawn z for a whole trainable set (``each_draw`` and ``flat_directions``
+    calls): the bench reads it before and after a step to count the step's passes over the noise."""
+    return _DRAWS[0]
+
+
+def each_draw(layout: NoiseLayout, seed: int, masks: Masks,
+              apply: Callable[[list[int], list[torch.Tensor], list[torch.Tensor]], None]) -> None:
     """Draw z from ``seed``, masked, and hand each piece to ``apply(parameter indices, parameter views, z)``.
 
     A chunk at a time in draw order, one chunk's noise alive at a time, a large CPU block a slice at a time
@@ -507,7 +516,8 @@ def _each_draw(layout: NoiseLayout, seed: int, masks: Masks,
     entry sees the same operations in the same order and the numbers depend neither on the slicing nor on the
     number of threads.
     """
-    streams, mask_pieces = _Streams(seed), _MaskPieces(layout, masks)
+    _DRAWS[0] += 1
+    streams, mask_pieces = Streams(seed), _MaskPieces(layout, masks)
     pool = _draw_pool() if layout.threaded and not isinstance(masks, RandomMask) else None
     if pool is None:
         for chunk in layout.chunks():  # in draw order: the stream is the same however the chunks fall
@@ -538,9 +548,10 @@ def _each_draw(layout: NoiseLayout, seed: int, masks: Masks,
         future.result()
 
 
-def _flat_directions(layout: NoiseLayout, seed: int, masks: Masks) -> list[torch.Tensor]:
+def flat_directions(layout: NoiseLayout, seed: int, masks: Masks) -> list[torch.Tensor]:
     """z of every parameter as a flat vector (``layout.flat``'s shapes): views of the draws where possible."""
-    streams, mask_pieces = _Streams(seed), _MaskPieces(layout, masks)
+    _DRAWS[0] += 1
+    streams, mask_pieces = Streams(seed), _MaskPieces(layout, masks)
     pieces: list[list[torch.Tensor]] = [[] for _ in layout.params]
     for chunk in layout.chunks():
         index, _, zs = _draw_chunk(layout, chunk, streams, mask_pieces)
@@ -559,7 +570,7 @@ def directions(
 ) -> list[torch.Tensor]:
     """z for every parameter, exactly as ``perturb_`` draws it from ``seed``, shaped like it (for instruments)."""
     layout = noise_layout(params, noise, layout)
-    return [z.view(p.shape) for z, p in zip(_flat_directions(layout, seed, masks), layout.params)]
+    return [z.view(p.shape) for z, p in zip(flat_directions(layout, seed, masks), layout.params)]
 
 
 @torch.no_grad()
@@ -581,7 +592,7 @@ def perturb_(
     if z is not None:
         torch._foreach_add_(layout.flat, list(z), alpha=scale)
         return
-    _each_draw(layout, seed, masks, lambda index, views, zs: torch._foreach_add_(views, zs, alpha=scale))
+    each_draw(layout, seed, masks, lambda index, views, zs: torch._foreach_add_(views, zs, alpha=scale))
 
 
 class DirectionCache:
@@ -604,7 +615,7 @@ class DirectionCache:
             return self._kept[seed]
         if self._size > self._limit or not self.layout.params:
             return None
-        z = _flat_directions(self.layout, seed, self.masks)
+        z = flat_directions(self.layout, seed, self.masks)
         if (len(self._kept) + 1) * self._size <= self._limit:
             self._kept[seed] = z
         return z
@@ -694,7 +705,7 @@ def zo_update_(
                         views[k].mul_(1.0 - lrs[i] * weight_decays[i])
             _move(index, views, zs, coef, lrs, layout.device, inplace=True)
 
-        _each_draw(layout, seed, masks, apply)
+        each_draw(layout, seed, masks, apply)
 
 
 def _move(index: Iterable[int], views: Sequence[torch.Tensor], zs: Sequence[torch.Tensor], coef: torch.Tensor,

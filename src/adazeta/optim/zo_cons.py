@@ -20,7 +20,7 @@ from adazeta.optim import OPTIMIZERS
 from adazeta.optim.engine import Step, UpdateRule, dense_bytes
 from adazeta.optim.memory import TrainedSet
 from adazeta.optim.spsa import decay_groups
-from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, _as_loss, zo_settings
+from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, as_loss, zo_settings
 
 
 class ConservativeRule(UpdateRule):
@@ -40,11 +40,11 @@ class ConservativeRule(UpdateRule):
             for p, w, d in zip(params, start, moves):
                 p.copy_((w.to(d.dtype) + sign * d).to(p.dtype) if sign else w)
 
-        loss0 = _as_loss(step.closure())
+        loss0 = as_loss(step.closure())
         place(-1.0)
-        loss1 = _as_loss(step.closure())
+        loss1 = as_loss(step.closure())
         place(+1.0)
-        loss2 = _as_loss(step.closure())
+        loss2 = as_loss(step.closure())
         if bool(loss1 > loss0):
             chosen = 0.0 if bool(loss0 < loss2) else +1.0
         else:

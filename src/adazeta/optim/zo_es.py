@@ -32,7 +32,7 @@ from typing import Iterable
 import torch
 
 from adazeta.optim import OPTIMIZERS
-from adazeta.optim.engine import Estimator, _differences, register_estimator
+from adazeta.optim.engine import Estimator, finite_differences, register_estimator
 from adazeta.optim.spsa import decay_groups
 from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, zo_settings
 
@@ -47,7 +47,7 @@ def fitness_shaped(losses: torch.Tensor) -> torch.Tensor:
 
 
 def _es(opt, closure, params, seeds, masks, cache, plan) -> tuple[torch.Tensor, torch.Tensor]:
-    losses, _ = _differences(opt, closure, params, seeds, masks, cache, plan)
+    losses, _ = finite_differences(opt, closure, params, seeds, masks, cache, plan)
     return losses, fitness_shaped(losses)
 
 
@@ -60,7 +60,7 @@ def fitness_normalised(losses: torch.Tensor) -> torch.Tensor:
 
 
 def _es_independent(opt, closure, params, seeds, masks, cache, plan) -> tuple[torch.Tensor, torch.Tensor]:
-    losses, _ = _differences(opt, closure, params, seeds, masks, cache, plan)
+    losses, _ = finite_differences(opt, closure, params, seeds, masks, cache, plan)
     return losses, fitness_normalised(losses)
 
 

@@ -52,11 +52,11 @@ from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
 from adazeta.optim.engine import Step, UpdateRule, decay_
 from adazeta.optim.memory import TrainedSet
-from adazeta.optim.lozo import _check_positive
+from adazeta.optim.lozo import check_positive
 from adazeta.optim.own_directions import (
     OwnDirectionsConfig, OwnDirectionsZO, matrix_shape, summed_factors, work_dtype,
 )
-from adazeta.optim.spsa import _Streams, decay_groups, projected_gradient, subspace_seed
+from adazeta.optim.spsa import Streams, decay_groups, projected_gradient, subspace_seed
 from adazeta.optim.zo_sgd import zo_settings
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Muon's quintic (Keller Jordan's modded-nanogpt), as the reference
@@ -121,20 +121,20 @@ class ZOMuon(OwnDirectionsZO):
 
     def basis(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """P of this step's window, redrawn from (seed, step // step_interval), one per matrix parameter in order."""
-        streams = _Streams(subspace_seed(self.seed, self.state_step // self.step_interval))
+        streams = Streams(subspace_seed(self.seed, self.state_step // self.step_interval))
         return [None if r is None else orthonormal_basis(p.shape[0], r, streams.on(p.device), work_dtype(p), p.device)
                 for p, r in zip(params, subspace_ranks(params, self.rank))]
 
     def factors(self, params: Sequence[torch.Tensor], seed: int) -> list[torch.Tensor]:
         """u_q (r x n) for each matrix parameter, z_q shaped like a vector parameter, standard normal from ``seed``."""
-        streams = _Streams(seed)
+        streams = Streams(seed)
         out = []
         for p, r in zip(params, subspace_ranks(params, self.rank)):
             size = tuple(p.shape) if r is None else (r, p.numel() // p.shape[0])
             out.append(torch.randn(size, generator=streams.on(p.device), dtype=work_dtype(p), device=p.device))
         return out
 
-    def _estimate(self, closure, params, seeds, masks=None, cache=None):  # type: ignore[override]
+    def estimate(self, closure, params, seeds, masks=None, cache=None):  # type: ignore[override]
         basis = self.basis(params)
 
         def move_(factors: list[torch.Tensor], scale: float) -> None:
@@ -201,9 +201,9 @@ class ZOMuonConfig(OwnDirectionsConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_positive("rank", self.rank)
-        _check_positive("step_interval", self.step_interval)
-        _check_positive("ns_steps", self.ns_steps)
+        check_positive("rank", self.rank)
+        check_positive("step_interval", self.step_interval)
+        check_positive("ns_steps", self.ns_steps)
         if not self.vector_lr >= 0:
             raise ConfigError(f"method.optimizer.vector_lr={self.vector_lr!r} must be >= 0")
 

@@ -28,7 +28,7 @@ from adazeta.optim.spsa import (
     perturb_,
     projected_gradient,
     query_seed,
-    _each_draw,
+    each_draw,
 )
 
 log = logging.getLogger("adazeta")
@@ -92,12 +92,12 @@ class ZOSGD(torch.optim.Optimizer):
     The directions are never stored across steps: query q of step k draws z from ``query_seed(seed, k, q)``
     through the noise stream ``noise`` (``adazeta.optim.spsa.NOISE_STREAMS``); within a step, a trainable set
     whose z takes at most ``KEEP_DIRECTION_BYTES`` draws each z once and keeps it for the update. The step is
-    split in two: ``_estimate`` evaluates the perturbed losses and returns the projected gradients, and
+    split in two: ``estimate`` evaluates the perturbed losses and returns the projected gradients, and
     ``zo_update_`` applies them. With ``batched_queries`` (adapter methods) and a closure that can evaluate
     weight replicas (``adazeta.optim.batched.ReplicaClosure``), the losses come from batched forwards of at most
     ``query_chunk`` perturbed copies each, with the same z and the same projected gradients; a plain closure
     falls back to one forward per loss. ``forward_passes`` counts loss evaluations either way. A distributed
-    estimator (queries spread over ranks, projected gradients all-gathered) overrides ``_estimate`` only.
+    estimator (queries spread over ranks, projected gradients all-gathered) overrides ``estimate`` only.
     """
 
     zeroth_order = True
@@ -149,7 +149,7 @@ class ZOSGD(torch.optim.Optimizer):
         self.n_queries = _check_queries(n_queries)
         self.reduction = reduction
         self.estimator = estimator
-        self.differences = estimator_of(estimator).differences  # the finite differences ``_estimate`` takes
+        self.differences = estimator_of(estimator).differences  # the finite differences ``estimate`` takes
         self.state_step = 0
         self.forward_passes = 0
         self.last_losses: torch.Tensor | None = None
@@ -158,6 +158,11 @@ class ZOSGD(torch.optim.Optimizer):
         self.comm_s: list[float] = []  # several processes: seconds of each step's all-reduce (for the benches)
         self._restore: tuple[int, float] | None = None
         self._last_update: tuple | None = None  # what the last step applied, for ``intended_update``
+
+    @property
+    def layout(self) -> NoiseLayout | None:
+        """How the last step laid the trainable set out for drawing z (None before the first step)."""
+        return self._layout
 
     def masks(self, params: Sequence[torch.Tensor]) -> Masks:
         """Which entries of each parameter to perturb and update; None means all (Sparse-MeZO overrides this)."""
@@ -202,7 +207,7 @@ class ZOSGD(torch.optim.Optimizer):
         self.last_losses, self.last_projected_grads = losses, grads
         return losses.mean()
 
-    def _estimate(
+    def estimate(
         self,
         closure: Closure,
         params: Sequence[torch.Tensor],
@@ -271,9 +276,9 @@ class ZOSGD(torch.optim.Optimizer):
             for i, seed in enumerate(seeds):
                 z = cache.get(seed)  # None: regenerated on every pass
                 perturb_(params, seed, eps, masks, self.noise, z, layout)
-                loss_plus = _as_loss(closure()) if i in wanted else None
+                loss_plus = as_loss(closure()) if i in wanted else None
                 perturb_(params, seed, -2 * eps, masks, self.noise, z, layout)
-                loss_minus = _as_loss(closure()) if i in wanted else None
+                loss_minus = as_loss(closure()) if i in wanted else None
                 if defer and z is None:
                     self._restore = (seed, eps)
                 else:
@@ -288,19 +293,19 @@ class ZOSGD(torch.optim.Optimizer):
                 z = cache.get(seed)
                 perturb_(params, seed, eps, masks, self.noise, z, layout)
                 if i in wanted:
-                    losses.append(_as_loss(closure()))
+                    losses.append(as_loss(closure()))
                 restore(seed, -eps, z)
                 del z
             grads = list(losses)
         else:
             # One-sided (L(w + eps z) - L(w)) / eps: Q + 1 forwards instead of 2Q, at the price of O(eps) bias.
-            loss_zero = _as_loss(closure()) if wanted else None
+            loss_zero = as_loss(closure()) if wanted else None
             if wanted:
                 losses.append(loss_zero)
             for i, seed in enumerate(seeds):
                 z = cache.get(seed)
                 perturb_(params, seed, eps, masks, self.noise, z, layout)
-                loss_plus = _as_loss(closure()) if i in wanted else None
+                loss_plus = as_loss(closure()) if i in wanted else None
                 if defer and z is None:
                     self._restore = (seed, -eps)
                 else:
@@ -314,7 +319,7 @@ class ZOSGD(torch.optim.Optimizer):
             return empty, empty
         return torch.stack(losses), torch.stack(grads)
 
-    def _estimate_share(
+    def estimate_share(
         self,
         closure: Closure,
         params: Sequence[torch.Tensor],
@@ -389,7 +394,7 @@ class ZOSGD(torch.optim.Optimizer):
                         hi = int(torch.searchsorted(picked, start + z.numel()))
                         out[i][lo:hi] += coefs[i] * z[picked[lo:hi] - start].double()
 
-            _each_draw(layout, seed, masks, gather)
+            each_draw(layout, seed, masks, gather)
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -426,7 +431,7 @@ class ZOSGD(torch.optim.Optimizer):
             self.n_queries = _check_queries(int(zo.get("n_queries", self.n_queries)))
 
 
-def _as_loss(value: torch.Tensor | float) -> torch.Tensor:
+def as_loss(value: torch.Tensor | float) -> torch.Tensor:
     """The closure's loss as a detached scalar tensor of at least fp32, left on its device (no host sync)."""
     loss = torch.as_tensor(value).detach()
     if loss.numel() != 1:

@@ -56,7 +56,7 @@ COLUMNS = [
 ]
 
 
-def _status_kib(field: str) -> int | None:
+def status_kib(field: str) -> int | None:
     """A ``/proc/self/status`` field (VmRSS, VmHWM) in KiB; None off Linux."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -67,7 +67,7 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
-def _reset_rss_peak() -> bool:
+def reset_rss_peak() -> bool:
     """Reset the process's resident-memory high-water mark to its current RSS (Linux >= 4.0)."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -150,8 +150,8 @@ def worker(method: str, args: argparse.Namespace) -> dict:
             float(first_order_step(scorer, optimizer, items))
 
     _release_free_heap()
-    rss_start = (_status_kib("VmRSS") or 0) / 1024
-    measure = "cuda_peak_allocated" if device.type == "cuda" else ("rss_hwm" if _reset_rss_peak() else "ru_maxrss")
+    rss_start = (status_kib("VmRSS") or 0) / 1024
+    measure = "cuda_peak_allocated" if device.type == "cuda" else ("rss_hwm" if reset_rss_peak() else "ru_maxrss")
     start_mb = rss_start
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -170,7 +170,7 @@ def worker(method: str, args: argparse.Namespace) -> dict:
     if measure == "cuda_peak_allocated":
         peak = torch.cuda.max_memory_allocated(device) / 2**20
     elif measure == "rss_hwm":
-        peak = _status_kib("VmHWM") / 1024
+        peak = status_kib("VmHWM") / 1024
     else:
         peak = process_peak
     return {

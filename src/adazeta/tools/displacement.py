@@ -112,7 +112,7 @@ def start_and_saved(run_dir: Path, folder: str = "adapter",
 
     from adazeta.build import attach_adapter, seed_everything
     from adazeta.models import load_model
-    from adazeta.saving import HEAD_WEIGHTS, _load_into, is_peft, trainable_tensors
+    from adazeta.saving import HEAD_WEIGHTS, load_into, is_peft, trainable_tensors
     from adazeta.tracking import quiet_third_party
 
     saved = check(run_dir, folder, assignments)
@@ -128,9 +128,9 @@ def start_and_saved(run_dir: Path, folder: str = "adapter",
         set_peft_model_state_dict(model, load_file(str(saved.weights)))
         head = saved.weights.parent / HEAD_WEIGHTS
         if head.is_file():
-            _load_into(model, load_file(str(head)), head)
+            load_into(model, load_file(str(head)), head)
     else:
-        _load_into(model, load_file(str(saved.weights)), saved.weights)
+        load_into(model, load_file(str(saved.weights)), saved.weights)
     return start, trainable_tensors(model), saved.steps
 
 

@@ -141,7 +141,7 @@ def _intervals(chosen: pd.DataFrame) -> dict[str, Any]:
     t = stats.t_interval(list(chosen["test"]), bounds=(0.0, 1.0))
     boot = stats.Interval(float("nan"), float("nan"), float("nan"), 0)
     lo, hi, kind = t.lo, t.hi, "t"
-    matrix = _test_correctness(list(chosen["path"]))
+    matrix = correct_on_test(list(chosen["path"]))
     if matrix is not None:
         boot = stats.bootstrap_interval(matrix, n_boot=2000, seed=0)
         both = stats.hierarchical_interval(matrix, n_boot=2000, seed=0)
@@ -151,7 +151,7 @@ def _intervals(chosen: pd.DataFrame) -> dict[str, Any]:
             "test_boot_lo": boot.lo, "test_boot_hi": boot.hi, "commits": " ".join(commits)}
 
 
-def _test_correctness(paths: list[str]) -> "np.ndarray | None":
+def correct_on_test(paths: list[str]) -> "np.ndarray | None":
     """(runs x examples) per-example test scores (correct 0/1, or F1) from predictions/test.csv; None unless every
     run has them and they cover the same examples."""
     import numpy as np

@@ -18,7 +18,6 @@ from adazeta.results import cpu_name, git_state, package_versions
 from adazeta.build import seed_everything
 from adazeta.scoring import Scorer
 from adazeta.tools import bench as package
-from adazeta.tools.bench import common
 from adazeta.tools.bench.common import MODELS, ZO_METHODS, Report, backbone, chunk_arg, settings_for, setup_for
 from adazeta.tools.bench.evaluation import measure_evaluation
 from adazeta.tools.bench.forwards import measure_forwards
@@ -101,7 +100,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
-    common.NOISE, common.QUERY_MEMORY = args.noise, args.query_memory
     use_shared()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -2,8 +2,8 @@
 and optimizer on the benchmark batch (``adazeta.build.build``), random weights and synthetic prompts, and the timing
 rounds and the report every measurement lands in.
 
-``NOISE`` and ``QUERY_MEMORY`` are set from ``--noise`` and ``--query-memory`` by ``cli.main``: read them as
-``common.NOISE``, not by name import, so that a module sees the values of the run.
+The noise stream and ``query_chunk=auto``'s memory budget come from the parsed options (``--noise``,
+``--query-memory``), read where they are used: nothing here is set at run time.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ PROMPT_LENGTHS = {
             138, 60, 59, 60, 46, 211, 149, 203],
 }
 CANDIDATES = {"sst2": [[13321], [1109]], "rte": [[10539], [5230]]}
-NOISE = "per_tensor"  # the ZO optimizers' noise stream (--noise)
-QUERY_MEMORY = 0.05  # query_chunk=auto's memory budget (--query-memory)
 ZO_METHODS = ["mezo", "sparse_mezo", "mezo_lora", "mezo_adapter", "adazeta"]
 
 
@@ -108,7 +106,7 @@ def overrides(args: argparse.Namespace, method: str = "adazeta", task: str = "ss
         out += ["model.name=llama-1b-random", "model.tt_shapes=null"]
         out += [f"model.architecture.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in LLAMA_1B.items()]
     if method in ZO_METHODS:
-        out.append(f"++method.optimizer.noise={NOISE}")
+        out.append(f"++method.optimizer.noise={args.noise}")
     return [*out, *extra]
 
 
@@ -118,10 +116,11 @@ def settings_for(args: argparse.Namespace, method: str = "adazeta", task: str = 
     return compose_settings(overrides(args, method, task, extra))
 
 
-def zo_variant(batched: bool, chunk: int | str) -> list[str]:
-    """The overrides of an AdaZeta optimizer the benchmark times: sequential or batched queries, and the chunk."""
+def zo_variant(args: argparse.Namespace, batched: bool, chunk: int | str) -> list[str]:
+    """The overrides of an AdaZeta optimizer the benchmark times: sequential or batched queries, and the chunk
+    (``auto`` within ``--query-memory``)."""
     return [f"method.optimizer.batched_queries={'true' if batched else 'false'}",
-            f"method.optimizer.query_chunk={chunk}", f"method.optimizer.query_memory={QUERY_MEMORY}"]
+            f"method.optimizer.query_chunk={chunk}", f"method.optimizer.query_memory={args.query_memory}"]
 
 
 def random_backbone(s: Settings) -> LoadedModel:
@@ -194,7 +193,7 @@ def setup_for(args: argparse.Namespace, method: str = "adazeta", extra: Sequence
 def zo_optimizer(args: argparse.Namespace, setup: Setup, batched: bool, chunk: int | str) -> torch.optim.Optimizer:
     """Another AdaZeta optimizer over ``setup``'s adapters, from the settings of its variant: the rounds time
     several side by side on one model (a build makes one optimizer per model)."""
-    return build_optimizer(settings_for(args, "adazeta", extra=zo_variant(batched, chunk)), setup.built.named)
+    return build_optimizer(settings_for(args, "adazeta", extra=zo_variant(args, batched, chunk)), setup.built.named)
 
 
 def first_order_optimizer(args: argparse.Namespace, setup: Setup) -> torch.optim.Optimizer:

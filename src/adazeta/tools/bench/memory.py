@@ -17,14 +17,13 @@ from typing import Any
 import torch
 
 from adazeta.optim.batched import ReplicaClosure
-from adazeta.tools.bench import common
 from adazeta.tools.bench.common import Report, chunk_arg, first_order_step, setup_for, zo_variant
-from adazeta.tools.bench_memory import _reset_rss_peak, _status_kib
+from adazeta.tools.bench_memory import reset_rss_peak, status_kib
 from adazeta.tracking import sync
 
 
 def _status_mb(field: str) -> float | None:
-    kib = _status_kib(field)
+    kib = status_kib(field)
     return None if kib is None else kib / 1024
 
 
@@ -34,7 +33,7 @@ def memory_phase(args: argparse.Namespace) -> dict[str, Any]:
     if phase == "method":  # the method's own config and optimizer
         setup = setup_for(args, chunk)
     elif phase in ("adazeta", "adazeta_batched"):  # AdaZeta's optimizer, sequential or batched queries
-        setup = setup_for(args, "adazeta", zo_variant(phase == "adazeta_batched", chunk_arg(chunk or "1")))
+        setup = setup_for(args, "adazeta", zo_variant(args, phase == "adazeta_batched", chunk_arg(chunk or "1")))
     elif phase == "first_order":  # AdamW on AdaZeta's TT adapters
         setup = setup_for(args, "tt_adapter")
     else:  # inference: a forward of AdaZeta's adapted model
@@ -65,7 +64,7 @@ def memory_phase(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
         measure = "cuda_peak_allocated"
     else:
-        measure = "rss_high_water_mark" if _reset_rss_peak() else "process_max_rss"
+        measure = "rss_high_water_mark" if reset_rss_peak() else "process_max_rss"
     for _ in range(args.memory_steps):
         run()
     sync(device)
@@ -101,7 +100,7 @@ def measure_memory(args: argparse.Namespace, report: Report) -> None:
     labels.update({f"method:{m}": f"{m} step, Q=1, sequential" for m in args.methods})
     for phase, res in results.items():
         if phase == "adazeta_batched:auto":
-            labels[phase] += f": {res['chunk']} per forward within query_memory {common.QUERY_MEMORY}"
+            labels[phase] += f": {res['chunk']} per forward within query_memory {args.query_memory}"
             report.add("memory", "query_chunk=auto chose", labels[phase], res["chunk"], "replicas per forward")
         report.add("memory", "peak memory", labels[phase], res["peak_mb"], f"MB ({res['measure']})")
         report.add("memory", "peak memory / inference", labels[phase], res["peak_mb"] / base, "x")

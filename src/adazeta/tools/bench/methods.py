@@ -33,7 +33,7 @@ def measure_method(args: argparse.Namespace, report: Report, setup: Setup, batch
         "forwards": torch.no_grad()(lambda: [float(loss()) for _ in range(2)]),
         "step": lambda: float(opt.step(loss, n_queries=1)),
         # One pass as the step makes it (draw z for every trainable entry and add it): scale 0 leaves the weights.
-        "noise pass": lambda: spsa.perturb_(params, 1, 0.0, masks, opt.noise, layout=opt._layout),
+        "noise pass": lambda: spsa.perturb_(params, 1, 0.0, masks, opt.noise, layout=opt.layout),
     }
     stats = timed(runs, batch.input_ids.device, args.repeats, args.warmup)
     setting = f"{method} ({setup.built.trainable_params:,} trainable), Q=1, sequential"
@@ -50,18 +50,6 @@ def measure_method(args: argparse.Namespace, report: Report, setup: Setup, batch
 def noise_draws_per_step(opt: torch.optim.Optimizer, loss: Callable[[], Any], n_queries: int = 1) -> int:
     """How many times one step of ``n_queries`` draws z for the whole trainable set (a pass that regenerates it,
     or the one draw of a kept z), counted on a step of ``opt``."""
-    count = [0]
-    real_each, real_flat = spsa._each_draw, spsa._flat_directions
-
-    def counted(real: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*a: Any, **k: Any) -> Any:
-            count[0] += 1
-            return real(*a, **k)
-        return call
-
-    spsa._each_draw, spsa._flat_directions = counted(real_each), counted(real_flat)
-    try:
-        float(opt.step(loss, n_queries=n_queries))
-    finally:
-        spsa._each_draw, spsa._flat_directions = real_each, real_flat
-    return count[0]
+    before = spsa.draws()
+    float(opt.step(loss, n_queries=n_queries))
+    return spsa.draws() - before

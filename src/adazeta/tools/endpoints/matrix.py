@@ -30,7 +30,7 @@ from adazeta.experiments import budget_at, compose_experiment, design_of
 from adazeta.tools.plots import matrix_figure, plt, read_run, save_figure
 from adazeta.record import ENDED, read_record
 from adazeta.results import cpu_label
-from adazeta.tools.tables import MISSING, _test_correctness, build_table, load_paper_numbers, load_results, select_on_dev
+from adazeta.tools.tables import MISSING, correct_on_test, build_table, load_paper_numbers, load_results, select_on_dev
 
 CALIBRATED = "calibrated"
 
@@ -49,7 +49,7 @@ class Cell:
     @functools.cached_property
     def correct(self) -> np.ndarray | None:
         """(seeds x examples) test correctness, read once: every endpoint compares this cell."""
-        return _test_correctness(self.paths)
+        return correct_on_test(self.paths)
 
     def matrix(self) -> np.ndarray | None:
         return self.correct
