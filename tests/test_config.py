@@ -70,3 +70,36 @@ def test_bad_values_name_the_field(override, field):
 def test_unknown_method_key_is_rejected():
     with pytest.raises(ConfigError, match="unknown key"):
         parse(compose_cfg(["+method.optimizer.momentum=0.9"]))
+
+
+@pytest.mark.parametrize("group,path", [(g, p) for g in ("optimizer", "adapter")
+                                        for p in sorted((CONF / g).glob("*.yaml"))], ids=lambda x: getattr(x, "stem", x))
+def test_every_option_lists_every_key_of_its_config_with_its_default(group, path):
+    """CONTRIBUTING: an adapter or optimizer option lists every key of its dataclass, with the dataclass's default,
+    so that each key is overridden without ``+`` (``method.optimizer.batched_queries=true`` on any ZO optimizer)
+    and recorded with the run; a key with no field would be refused at start-up."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    import adazeta.adapters  # noqa: F401 (registers)
+    import adazeta.optim  # noqa: F401 (registers)
+    from adazeta.registry import ADAPTERS, OPTIMIZERS
+
+    method = {"optimizer": "ft" if path.stem == "adamw" else "mezo", "adapter": "adazeta"}[group]
+    cfg = compose_cfg([f"method={method}", f"{group}@method.{group}={path.stem}"])
+    composed = OmegaConf.to_container(cfg.method[group])
+    if composed.get("kind") in (None, "none", "saved"):  # no adapter, or one read from a saved run
+        return
+    registry = OPTIMIZERS if group == "optimizer" else ADAPTERS
+    fields = {f.name: f for f in dataclasses.fields(registry.get(composed["kind"]).config_cls)}
+    assert set(composed) - {"kind"} == set(fields), (sorted(set(fields) - set(composed)),
+                                                     sorted(set(composed) - set(fields) - {"kind"}))
+    instance = registry.get(composed["kind"]).config_cls()
+    defaults = {name: getattr(instance, name) for name in fields}
+    listed = {k: tuple(v) if isinstance(v, list) and isinstance(defaults[k], tuple) else v
+              for k, v in composed.items() if k != "kind"}
+    # A value other than the dataclass's is chosen in the option's own file (zo_sign's lr) or by the method.
+    method_sets = OmegaConf.to_container(OmegaConf.load(CONF / "method" / f"{method}.yaml")).get(group) or {}
+    differing = {k: (v, defaults[k]) for k, v in listed.items() if v != defaults[k] and k not in method_sets}
+    assert all(k in OmegaConf.to_container(OmegaConf.load(path)) for k in differing), differing

@@ -32,7 +32,7 @@ SNAPSHOT = Path(__file__).resolve().parent / "composed_configs.json"
 OVERRIDES = [
     ["method=adazeta", "method.adapter.rank=8"],
     ["method=adazeta", "method.optimizer.lr=3e-4"],
-    ["method=adazeta", "+method.optimizer.noise=flat"],
+    ["method=adazeta", "method.optimizer.noise=flat"],
     ["method=mezo_lora", "method.optimizer.batched_queries=true", "method.optimizer.query_chunk=auto"],
     ["method=mezo", "method.optimizer.estimator=one_sided"],
     ["method=ft", "method.optimizer=null"],

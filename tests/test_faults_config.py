@@ -39,7 +39,7 @@ CASES = [
     ([], ["divergence.collapse_fraction=nan"], "divergence.collapse_fraction=nan must be a finite number"),
     ([], ["schedule=adaptive_official", "schedule.q_target=inf"], "schedule.q_target=inf must be a finite number"),
     ([], ["method=lora", "method.adapter.alpha=nan"], "method.adapter.alpha=nan must be a finite number"),
-    ([], ["method=lora", "+method.optimizer.betas=[0.9,nan]"], "method.optimizer.betas[1]=nan must be a finite"),
+    ([], ["method=lora", "method.optimizer.betas=[0.9,nan]"], "method.optimizer.betas[1]=nan must be a finite"),
     ([], ["method=ft", "+method.optimizer.grad_clip=inf"], "method.optimizer.grad_clip=inf must be a finite"),
     ([], ["method=lp", "method.probe.C=[1.0,inf]"], "method.probe.C[1]=inf must be a finite number"),
     ([], ["+model.architecture.rms_norm_eps=nan"], "model.architecture.rms_norm_eps=nan must be a finite number"),

@@ -173,7 +173,7 @@ def test_bad_query_chunk_is_one_config_error(chunk):
 
 
 def test_batched_full_fine_tuning_fails_before_the_model_loads(fixture_data):
-    s = parse(compose_cfg(tiny_overrides(fixture_data, "method=mezo", "+method.optimizer.batched_queries=true")))
+    s = parse(compose_cfg(tiny_overrides(fixture_data, "method=mezo", "method.optimizer.batched_queries=true")))
     with pytest.raises(ConfigError, match="adapter method"):
         preflight(s)
 

@@ -345,7 +345,7 @@ def test_help_is_a_page_to_read(monkeypatch, capsys):
     assert len(lines) < 120, len(lines)
     assert lines[0].startswith("adazeta-run: ") and "Usage" in lines
     assert "experiment_method" not in page and "hub_id: " not in page and "placements:" not in page  # no dump
-    for group in ("model", "task", "method", "schedule", "experiment"):  # each group a user picks, all its options
+    for group in ("model", "task", "method", "schedule", "experiment", "adapter", "optimizer"):  # all options
         first, *rest = page.split(f"\n  {group:<12}")[1].split("\n")
         text = " ".join([first, *itertools.takewhile(lambda line: line.startswith(" " * 14), rest)])  # its lines
         assert all(option.stem in text for option in (CONF / group).glob("*.yaml")), group

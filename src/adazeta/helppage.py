@@ -2,9 +2,9 @@
 
 The page's text is the Hydra help template (conf/hydra/help/adazeta.yaml, so that ``hydra.help.*`` overrides still
 apply); this module fills in the config groups a user picks, each with a line saying what it chooses and its
-options, the one the command would use starred. Internal groups (``experiment_method/*``, composed by an
-experiment and a method together) and the method's parts (``adapter``, ``optimizer``: see the template) are left
-out.
+options, the one the command would use starred; then the method's parts (``adapter``, ``optimizer``), each with
+every option, swapped whole with ``adapter@method.adapter=OPTION``. Internal groups (``experiment_method/*``,
+composed by an experiment and a method together) are left out.
 """
 
 from __future__ import annotations
@@ -23,6 +23,11 @@ USER_GROUPS = (
     ("schedule", "ZO queries per step over training (a method's default unless given)"),
     ("experiment", "a block of the paper for -m: model, tasks, methods, grid and seeds"),
 )
+# The method's parts: (group, its key in Hydra's choices, what choosing it means).
+METHOD_PARTS = (
+    ("adapter", "adapter@method.adapter", "what a method trains; swap it: adapter@method.adapter=lora"),
+    ("optimizer", "optimizer@method.optimizer", "how it trains; swap it: optimizer@method.optimizer=zo_adam"),
+)
 WIDTH = 116
 
 
@@ -37,8 +42,8 @@ def _compose(source: Source, overrides: list[str]) -> Any:
 def groups_text(source: Source, choices: dict[str, Any]) -> str:
     """Each user group: its name and meaning, then its options (wrapped), the chosen one starred."""
     lines = []
-    for group, meaning in USER_GROUPS:
-        chosen = choices.get(group)
+    for group, key, meaning in [(g, g, m) for g, m in USER_GROUPS] + list(METHOD_PARTS):
+        chosen = choices.get(key)
         options = [f"*{o}" if o == chosen else o for o in source.options(group)]
         if chosen is None:
             options.append("*null")
