@@ -191,7 +191,7 @@ def private_reaches(source: str, module: str, is_package: bool = False) -> list[
     """What ``source`` (the text of ``module``) takes of another adazeta module's private names: a ``from ...
     import _name``, an ``alias._name`` read on an imported adazeta module, an assignment to any attribute of one
     (a patch at run time), and ``x._name(...)`` calls of a project method on an object (an optimizer's private
-    estimate, say). Dunder names and a class's own ``self._x`` / ``cls._x`` are its own business."""
+    estimate, say). Dunder names and a class's own ``self._x`` / ``cls._x`` / ``super()._x`` are its own business."""
     package = module if is_package else module.rpartition(".")[0]
     tree = ast.parse(source)
     aliases: dict[str, str] = {}  # local name -> the adazeta module it is
@@ -218,6 +218,7 @@ def private_reaches(source: str, module: str, is_package: bool = False) -> list[
                 found.append(f"{owner}.{node.attr} = ...")
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and private.match(node.func.attr)
                 and not (isinstance(node.func.value, ast.Name) and node.func.value.id in ("self", "cls", "torch"))
+                and not (isinstance(node.func.value, ast.Call) and getattr(node.func.value.func, "id", "") == "super")
                 and node.func.attr in PROJECT_METHODS):
             found.append(f"._{node.func.attr[1:]}()")
     return found
@@ -256,6 +257,7 @@ def test_no_module_reaches_a_private_name_of_another_or_patches_one():
     ("import adazeta.saving as saving\nsaving._load_into(m)", ["saving._load_into"]),
     ("def f(opt):\n    return opt._estimate_sequential(1)", ["._estimate_sequential()"]),
     ("def f(self):\n    return self._estimate(1)", []),
+    ("def f(self):\n    return super()._estimate_sequential(1)", []),  # an override calling its own base
     ("from adazeta.optim.spsa import each_draw\nimport torch\ntorch._foreach_add_(a, b)", []),
 ])
 def test_the_private_name_reader_sees_every_form(source, found):
