@@ -64,6 +64,89 @@ def write_fixture_data(root: Path, n_train: int = 120, n_eval: int = 40, seed: i
     return root
 
 
+TINY_GGUF = "tiny-llama.Q8_0.gguf"
+
+
+def write_tiny_gguf(folder: Path, seed: int = 0, tie: bool = True) -> Path:
+    """A tiny random Llama (tiny-llama's sizes) and the tiny byte-level tokenizer written as one GGUF file, its 2-D
+    weights quantised to Q8_0 as llama.cpp's converter writes them (q and k rows permuted for its rotary layout).
+
+    ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`` reads it back as transformers reads any GGUF
+    file: the legacy loader dequantises it and marks the model quantised with ``gguf``. Returns the file's path."""
+    import gguf
+    import numpy as np
+    import torch
+    import transformers
+
+    from adazeta.models import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    # transformers' GGUF byte-level tokenizer adds <|endoftext|> unless the vocabulary has it: give it a row.
+    tokens = [t for t, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])] + ["<|endoftext|>"]
+    heads, kv_heads, hidden, layers = 4, 2, 32, 2
+    config = transformers.LlamaConfig(vocab_size=len(tokens), hidden_size=hidden, intermediate_size=64,
+                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                      max_position_embeddings=1024, tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / TINY_GGUF
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_block_count(layers)
+    writer.add_context_length(1024)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t.startswith("<") and t.endswith(">") and len(t) > 2
+                            else gguf.TokenType.NORMAL for t in tokens])
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_unk_token_id(tokenizer.unk_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_add_bos_token(False)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)
+
+    def permute(w: np.ndarray, n: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf.py LlamaModel.permute
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    for name, tensor in model.state_dict().items():
+        if tie and name == "lm_head.weight":
+            continue
+        w = tensor.numpy().astype(np.float32)
+        if name.endswith("q_proj.weight"):
+            w = permute(w, heads)
+        elif name.endswith("k_proj.weight"):
+            w = permute(w, kv_heads)
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if w.ndim == 2:
+            q8 = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(target, q8, raw_shape=q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(target, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def gguf_overrides(data_dir: Path, gguf_path: Path, *extra: str) -> list[str]:
+    """``tiny_overrides`` on a GGUF file (``model=hf model.path=<file>.gguf``), not tiny-llama's in-memory model."""
+    return [*tiny_overrides(data_dir, *extra)[1:], "model=hf", f"model.path={gguf_path}", "model.name=tiny-gguf"]
+
+
 def compose_cfg(overrides: list[str]) -> DictConfig:
     """The config `adazeta-run` would build from these command-line overrides."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

@@ -3,12 +3,14 @@
     python -m adazeta.export <run dir> <out folder>
 
 - LoRA runs: the adapters are merged into the base weights (peft's ``merge_and_unload``): ``out`` is a plain model
-  that ``AutoModelForCausalLM.from_pretrained(out)`` loads, with the tokenizer beside it.
+  that ``AutoModelForCausalLM.from_pretrained(out)`` loads, with the tokenizer and a README beside it.
 - TT and bottleneck adapters are not mergeable (a nonlinearity sits between their factors): ``out`` holds the base
   model (``save_pretrained``), the tokenizer, the adapters in ``out/adapter`` and a README with the two lines that
   load them (``adazeta.load_adapters``).
 - Full-parameter runs saved with ``train.save_model=true``: their ``model/`` folder is already the export.
-The base model is the one the run's config names (its ``model.path``, the local model folder, or the Hub id).
+The base model is the one the run's config names (its ``model.path``, the local model folder, or the Hub id). A base
+read from a GGUF file is written as the float weights transformers dequantised it to (its README says so). The
+export is written beside ``out`` and renamed into place when complete: a failure leaves no half-written folder.
 Publishing stays the user's: ``huggingface-cli upload <repo> <out>``.
 """
 
@@ -18,6 +20,7 @@ import argparse
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -35,49 +38,93 @@ import adazeta
 model = adazeta.load_adapters({auto}.from_pretrained("{out}"), "{out}/adapter")
 tokenizer = AutoTokenizer.from_pretrained("{out}")
 ```
-
+{gguf}
 Publish with `huggingface-cli upload <repo> {out}`.
+"""
+
+MERGED = """# {title}
+
+Exported by `python -m adazeta.export` from `{run}`: the LoRA adapters merged into the base weights (peft's
+`merge_and_unload`), a plain model:
+
+```python
+from transformers import {auto}, AutoTokenizer
+model = {auto}.from_pretrained("{out}")
+tokenizer = AutoTokenizer.from_pretrained("{out}")
+```
+{gguf}
+Publish with `huggingface-cli upload <repo> {out}`.
+"""
+
+GGUF_NOTE = """
+The base weights were read from the GGUF file `{file}` ({quant} quantisation), which transformers dequantises to
+float: they are saved here as ordinary float weights, so this folder loads without that file or the `gguf` package,
+and gives the numbers the run had on that file (not those of the original unquantised model).
 """
 
 
 def export(run_dir: Path, out: Path) -> str:
-    """Write the export of ``run_dir`` to ``out``; returns what was written, in a few words."""
-    from adazeta.models import load_model
-    from adazeta.saving import ADAPTER_CONFIG, load_adapters
-    from adazeta.settings import parse
+    """Write the export of ``run_dir`` to ``out``; returns what was written, in a few words.
 
+    Everything is written to a hidden sibling folder first and renamed to ``out`` once complete: a failure leaves
+    no ``out`` (or the empty one that was there), never a half-written one."""
     run_dir, out = Path(run_dir), Path(out)
     record_path = run_dir / "result.json"
     if not record_path.is_file():
         raise ConfigError(f"{run_dir} holds no result.json; point at a finished run directory")
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not empty; choose a new folder")
-    if (run_dir / "model").is_dir():
-        shutil.copytree(run_dir / "model", out, dirs_exist_ok=True)
-        return f"the trained model ({run_dir / 'model'}) copied to {out}"
-    adapter = run_dir / "adapter"
-    if not adapter.is_dir():
+    whole = run_dir / "model"
+    if not whole.is_dir() and not (run_dir / "adapter").is_dir():
         raise ConfigError(f"{run_dir} kept no trained state (no adapter/ or model/): it ran with train.save=none, "
                           "or it is a full-parameter run without train.save_model=true")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        if whole.is_dir():
+            shutil.copytree(whole, partial, dirs_exist_ok=True)
+            said = f"the trained model ({whole}) copied to {out}"
+        else:
+            said = _export_adapters(run_dir, record_path, partial, out)
+        if out.exists():
+            out.rmdir()  # empty (checked above): the complete folder takes its place
+        partial.rename(out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return said
+
+
+def _export_adapters(run_dir: Path, record_path: Path, folder: Path, out: Path) -> str:
+    """Write the export of a run that kept adapters into ``folder``, which will be renamed to ``out``."""
+    from adazeta.models import load_model
+    from adazeta.saving import ADAPTER_CONFIG, gguf_quantisation, load_adapters
+    from adazeta.settings import parse
+
+    adapter = run_dir / "adapter"
     config = json.loads(record_path.read_text()).get("config")
     if not config:
         raise ConfigError(f"{record_path} records no config; it cannot name its base model")
     s = parse(OmegaConf.create(config))
     loaded = load_model(s.model, seed=s.seed)
-    model = load_adapters(loaded.model, adapter)
-    out.mkdir(parents=True, exist_ok=True)
-    if not (adapter / ADAPTER_CONFIG).is_file():  # peft LoRA: merged into the base weights
-        merged = model.merge_and_unload()
-        merged.save_pretrained(str(out))
-        loaded.tokenizer.save_pretrained(str(out))
-        return f"LoRA merged into {s.model.name}'s weights: {out} (from_pretrained loads it)"
-    loaded_plain = load_model(s.model, seed=s.seed)  # the base model again, without adapters, to save as is
-    loaded_plain.model.save_pretrained(str(out))
-    loaded_plain.tokenizer.save_pretrained(str(out))
-    shutil.copytree(adapter, out / "adapter")
+    source = loaded.source
+    gguf = ""
+    if source.gguf_file:  # provenance: the weights written here are the file's, dequantised
+        quant = gguf_quantisation(str(Path(source.path) / source.gguf_file))
+        gguf = GGUF_NOTE.format(file=source.gguf_file, quant=quant)
     auto = "AutoModelForMaskedLM" if s.model.family == "masked" else "AutoModelForCausalLM"
-    (out / "README.md").write_text(LOADING.format(title=f"{s.method} on {s.task.name} ({s.model.name})", run=run_dir,
-                                                  auto=auto, out=out))
+    title = f"{s.method} on {s.task.name} ({s.model.name})"
+    if not (adapter / ADAPTER_CONFIG).is_file():  # peft LoRA: merged into the base weights
+        merged = load_adapters(loaded.model, adapter).merge_and_unload()
+        merged.save_pretrained(str(folder))
+        loaded.tokenizer.save_pretrained(str(folder))
+        (folder / "README.md").write_text(MERGED.format(title=title, run=run_dir, auto=auto, out=out, gguf=gguf))
+        return f"LoRA merged into {s.model.name}'s weights: {out} (from_pretrained loads it)"
+    loaded.model.save_pretrained(str(folder))  # the base as loaded, before the adapters attach (and refuse saving)
+    loaded.tokenizer.save_pretrained(str(folder))
+    load_adapters(loaded.model, adapter)  # they fit this base (one line if not), as the README's lines will load them
+    shutil.copytree(adapter, folder / "adapter")
+    (folder / "README.md").write_text(LOADING.format(title=title, run=run_dir, auto=auto, out=out, gguf=gguf))
     return f"{s.model.name} with its {s.adapter.kind} adapters beside it: {out} (README.md: how to load)"
 
 

@@ -10,8 +10,16 @@
 
 Each training step is one ZO-SGD step (``adazeta.optim.zo_sgd``) on the batch the Trainer hands over: Q queries
 (from the schedule, by epoch), the loss the model returns for ``inputs`` (its ``labels``), no backward pass. The
-Trainer's learning-rate scheduler, logging, evaluation and checkpoints work as usual; gradient accumulation and
-clipping do not apply (there is no gradient).
+Trainer's learning-rate scheduler, logging, evaluation and checkpoints work as usual: a checkpoint holds the
+adapters (as ``save_model`` writes them) and the ZO step count, so ``resume_from_checkpoint`` continues the same
+directions and ``load_best_model_at_end`` reloads the best adapters, TT and bottleneck ones included. Gradient
+accumulation and clipping do not apply (there is no gradient): no ``grad_norm`` is logged, and each training log
+has ``zo_projected_grad`` instead, the mean |projected gradient| (each query's finite-difference estimate of the
+gradient along its direction) over the steps since the last log.
+
+A model read from a GGUF file (``from_pretrained(..., gguf_file=...)``) is dequantised to float weights by
+transformers but still marked quantised, which the Trainer refuses; ``add_adapters`` and ``ZOTrainer`` clear that
+mark (``adazeta.models.plain_gguf_model_``), so it trains and saves as the float model it is.
 """
 
 from __future__ import annotations
@@ -42,8 +50,11 @@ def add_adapters(model: nn.Module, kind: str = "tt", **config: Any) -> nn.Module
     from adazeta.adapters import ADAPTERS
     from adazeta.registry import make_config
 
+    from adazeta.models import plain_gguf_model_
+
     if kind not in ("tt", "bottleneck", "lora"):
         raise ConfigError(f"add_adapters(kind={kind!r}): one of tt, bottleneck, lora")
+    plain_gguf_model_(model)  # read from a GGUF file: its dequantised weights, no longer marked quantised
     entry = ADAPTERS.get(kind)
     cfg = make_config(entry.config_cls, dict(config), where=f"add_adapters({kind!r})")
     if kind == "tt" and cfg.init == "reference" and "init" not in config:
@@ -60,10 +71,16 @@ class ZOTrainer(Trainer):
 
     def __init__(self, *args: Any, zo: dict[str, Any] | None = None, schedule: str = "constant",
                  schedule_config: dict[str, Any] | None = None, seed: int = 0, **kwargs: Any):
+        from adazeta.models import plain_gguf_model_
         from adazeta.registry import make_config
         from adazeta.schedules import SCHEDULES
 
+        model = kwargs.get("model", args[0] if args else None)
+        if isinstance(model, nn.Module):
+            plain_gguf_model_(model)  # the Trainer refuses a model marked quantised, as a GGUF file's model is
         super().__init__(*args, **kwargs)
+        self._zo_grad_sum: torch.Tensor | float = 0.0  # mean |projected gradient| of each step since the last log
+        self._zo_grad_steps = 0
         self.zo_values = dict(zo or {})  # the step size: zo's lr, else TrainingArguments.learning_rate
         self.zo_config = make_config(ZOSGDConfig, {"lr": self.args.learning_rate, **self.zo_values}, where="ZOTrainer zo")
         self.schedule_name, self.schedule_values, self.zo_seed = schedule, dict(schedule_config or {}), seed
@@ -104,7 +121,47 @@ class ZOTrainer(Trainer):
         zo = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps the optimizer
         with torch.no_grad():
             loss = zo.step(closure, n_queries=self._queries())
+        grads = getattr(zo, "last_projected_grads", None)
+        if grads is not None:  # summed on the device: read once per log, not once per step
+            self._zo_grad_sum = self._zo_grad_sum + grads.detach().abs().mean()
+            self._zo_grad_steps += 1
         return loss.detach()
+
+    def _clip_grad_norm(self, model: nn.Module) -> None:
+        return None  # a ZO step has no gradient to clip (the Trainer's max_grad_norm does not apply)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
+        return None  # no gradient norm: the Trainer would log 0 for the gradients that were never computed
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The Trainer's log, with ``zo_projected_grad`` (mean |projected gradient| since the last log) beside a
+        training loss."""
+        if "loss" in logs and self._zo_grad_steps:
+            logs["zo_projected_grad"] = float(self._zo_grad_sum) / self._zo_grad_steps
+            self._zo_grad_sum, self._zo_grad_steps = 0.0, 0
+        super().log(logs, start_time)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """TT and bottleneck adapters come back from the checkpoint's ``adapter_model.safetensors``; LoRA and other
+        models as the Trainer loads them."""
+        if not self._load_adapters_from(resume_from_checkpoint, model):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        if not self._load_adapters_from(self.state.best_model_checkpoint):
+            super()._load_best_model()
+
+    def _load_adapters_from(self, checkpoint: str | None, model: nn.Module | None = None) -> bool:
+        """Load the adapters ``save_model`` wrote to ``checkpoint`` into the model, if it carries TT or bottleneck
+        adapters from ``add_adapters``; False (nothing done) for LoRA and other models."""
+        from adazeta.saving import load_adapter_state_
+
+        model = model if model is not None else self.model
+        attached = getattr(model, "_adazeta_adapter", None)
+        if attached is None or attached[0] == "lora" or checkpoint is None:
+            return False
+        load_adapter_state_(model, checkpoint)
+        return True
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Adapters attached with ``add_adapters`` are written as ``adazeta.save_adapters`` writes them (peft's format
@@ -117,5 +174,9 @@ class ZOTrainer(Trainer):
         kind, cfg = attached
         out = output_dir or self.args.output_dir
         name = getattr(getattr(self.model, "config", None), "_name_or_path", "") or "unknown"
-        save_adapters(self.model, out, kind, cfg, {"name": name})
+        base = {"name": name}
+        gguf_file = next((m.gguf_file for m in self.model.modules() if getattr(m, "gguf_file", None)), None)
+        if gguf_file:  # provenance: trained on the dequantised weights of that file
+            base["gguf_file"] = gguf_file
+        save_adapters(self.model, out, kind, cfg, base)
         return None

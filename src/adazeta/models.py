@@ -428,7 +428,8 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> LoadedModel:
         kwargs = pretrained_kwargs(cfg, source)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
-            model = auto.from_pretrained(source.path, dtype=cfg.torch_dtype, **kwargs, **spread)
+            model = auto.from_pretrained(source.path, dtype=cfg.torch_dtype, **kwargs, **gguf_dense_kwargs(source),
+                                         **spread)
         except Exception as err:  # incl. safetensors' SafetensorError, a GGUF's struct.error, torch's unpickling
             if source.kind != "local":
                 if isinstance(err, OSError):  # transformers' word for a Hub that cannot be reached or has no such repo
@@ -440,6 +441,8 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> LoadedModel:
             what = Path(source.path) / (source.gguf_file or "")
             raise ConfigError(f"cannot load the model from {what} ({first_line(err)}); the file may "
                               "be truncated or corrupt: copy or download it again") from None
+    if source.gguf_file:
+        plain_gguf_model_(model, source.gguf_file)
     rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:
         raise ConfigError(f"the tokenizer of {source.path} has {len(tokenizer)} tokens but the model's embedding only "
@@ -455,6 +458,59 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> LoadedModel:
     model.eval()  # dropout off; first-order methods switch to train() themselves
     model.requires_grad_(False)
     return LoadedModel(model, tokenizer, cfg.family, source, device)
+
+
+def gguf_dense_kwargs(source: ModelSource) -> dict[str, Any]:
+    """``from_pretrained``'s ``quantization_config`` for a GGUF source: every weight unpacked to a dense float tensor
+    (transformers 5 can keep some architectures' weights in GGUF blocks, which ZO perturbations cannot move and
+    ``save_pretrained`` cannot write). Empty for other sources, and where transformers has no ``GgufConfig`` (4.x
+    always dequantises)."""
+    if not source.gguf_file:
+        return {}
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def plain_gguf_model_(model: nn.Module, gguf_file: str | None = None) -> nn.Module:
+    """Clear the "quantised with gguf" mark of a model transformers read from a GGUF file and dequantised.
+
+    Such a model holds ordinary float weights, yet transformers keeps its GGUF quantiser on it (``hf_quantizer``,
+    ``is_quantized``, ``quantization_method``, ``config.quantization_config``): ``save_pretrained`` then refuses it as
+    not serialisable and ``Trainer`` as a quantised model that cannot train. Once cleared it saves and trains as the
+    float model it is. Where it came from stays recorded: ``model.gguf_file`` names the file (``gguf_file``, else the
+    quantiser's), as a run's ``model_source`` does. A model whose weights are still GGUF blocks (not dequantised) is
+    refused in one line. A model without the mark is left as it is (``gguf_file`` still recorded). Returns ``model``.
+    """
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if not isinstance(module, PreTrainedModel):
+            continue
+        settings = getattr(getattr(module, "hf_quantizer", None), "quantization_config", None)
+        method = getattr(settings, "quant_method", None)
+        if str(getattr(method, "value", method)) != "gguf":
+            continue
+        read_from = gguf_file or getattr(settings, "gguf_file", None)
+        packed = [n for n, p in module.named_parameters() if not p.is_floating_point()]
+        if packed:
+            raise ConfigError(f"the model read from {read_from or 'a GGUF file'} keeps {len(packed)} of its weights "
+                              f"in GGUF blocks (e.g. {packed[0]}), which cannot train or be saved; load it with "
+                              "from_pretrained(..., gguf_file=..., quantization_config=GgufConfig(dequantize=True))")
+        for name in ("hf_quantizer", "quantization_method"):
+            if name in vars(module):
+                delattr(module, name)
+        module.is_quantized = False
+        if hasattr(module.config, "quantization_config"):
+            del module.config.quantization_config
+        if getattr(module.config, "_is_quantized", False):
+            module.config._is_quantized = False
+        module.gguf_file = Path(str(read_from)).name if read_from else None
+    if gguf_file and isinstance(model, PreTrainedModel):
+        model.gguf_file = Path(str(gguf_file)).name
+    return model
 
 
 def dispatch(model: nn.Module, device_map: str) -> nn.Module:

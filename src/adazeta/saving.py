@@ -146,6 +146,19 @@ def load_adapters(model: nn.Module, folder: str | Path) -> nn.Module:
     return model
 
 
+def load_adapter_state_(model: nn.Module, folder: str | Path) -> nn.Module:
+    """Load the adapter tensors ``save_adapters`` wrote to ``folder`` into ``model``, which already carries those TT
+    or bottleneck adapters (a Trainer checkpoint: resumed, or the best one reloaded). A tensor this model lacks, or
+    of another shape, is one line. Returns ``model``."""
+    from safetensors.torch import load_file
+
+    path = Path(folder) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise ConfigError(f"{folder} holds no {ADAPTER_WEIGHTS}; point at a checkpoint that ZOTrainer saved")
+    _load_into(model, load_file(str(path)), path)
+    return model
+
+
 def _warn_other_name(model: nn.Module, base: dict[str, Any], folder: Path) -> None:
     """The same architecture under another name (another fine-tune of it, or a local copy under another path):
     loaded, with a warning naming both, since a copy's path legitimately differs from its Hub id."""
