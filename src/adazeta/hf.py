@@ -139,7 +139,10 @@ class ZOTrainer(Trainer):
         if "loss" in logs and self._zo_grad_steps:
             logs["zo_projected_grad"] = float(self._zo_grad_sum) / self._zo_grad_steps
             self._zo_grad_sum, self._zo_grad_steps = 0.0, 0
-        super().log(logs, start_time)
+        if start_time is None:  # older Trainers take no start_time
+            super().log(logs)
+        else:
+            super().log(logs, start_time)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         """TT and bottleneck adapters come back from the checkpoint's ``adapter_model.safetensors``; LoRA and other
