@@ -155,7 +155,7 @@ def load_adapter_state_(model: nn.Module, folder: str | Path) -> nn.Module:
     path = Path(folder) / ADAPTER_WEIGHTS
     if not path.is_file():
         raise ConfigError(f"{folder} holds no {ADAPTER_WEIGHTS}; point at a checkpoint that ZOTrainer saved")
-    _load_into(model, load_file(str(path)), path)
+    load_into(model, load_file(str(path)), path)
     return model
 
 
