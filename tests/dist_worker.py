@@ -5,6 +5,11 @@
     dist_worker.py run RUN_DIR FAIL_STEP OVERRIDE...
                                                the whole run (adazeta.run.run); rank 1 raises at FAIL_STEP
                                                (0: never), to check that one record names the failure
+    dist_worker.py cli WHAT OVERRIDE...        ``adazeta-run OVERRIDE...`` on every rank, and WHAT on one:
+                                               ``R:OVERRIDE``: rank R adds OVERRIDE last (what a node's own
+                                               environment or files can make differ); ``R@STEP:SIGNAL``: rank R
+                                               sends SIGNAL to itself after STEP (``SIGINT/group``: to its process
+                                               group, as a terminal's Ctrl-C reaches torchrun and every rank)
 """
 
 from __future__ import annotations
@@ -73,9 +78,39 @@ def run_with_fault(run_dir: Path, fail_step: int, overrides: list[str]) -> None:
     run(compose_cfg(overrides), run_dir, overrides)
 
 
+def cli_with_one_rank_different(what: str, overrides: list[str]) -> None:
+    import os
+    import signal
+
+    import adazeta.train as train_module
+    from adazeta import cli
+
+    who, change = what.split(":", 1)
+    rank, _, at = who.partition("@")
+    mine = os.environ.get("RANK") == rank
+    extra = [change] if mine and not at else []
+    if mine and at:
+        name, _, target = change.partition("/")
+        progress_step = train_module.Progress.step
+
+        def signalling(self, step, *args):
+            progress_step(self, step, *args)
+            if step == int(at):
+                if target == "group":
+                    os.killpg(os.getpgid(0), signal.Signals[name])
+                else:
+                    os.kill(os.getpid(), signal.Signals[name])
+
+        train_module.Progress.step = signalling
+    sys.argv = ["adazeta-run", *overrides, *extra]
+    cli.main()
+
+
 if __name__ == "__main__":
     mode, target, *rest = sys.argv[1:]
-    if mode == "train":
+    if mode == "cli":
+        cli_with_one_rank_different(target, rest)
+    elif mode == "train":
         train_and_save(Path(target), rest)
     else:
         run_with_fault(Path(target), int(rest[0]), rest[1:])

@@ -215,3 +215,81 @@ def test_a_sweep_under_torchrun_is_one_line_and_runs_nothing(fixture_data, tmp_p
     assert done.returncode != 0
     assert "a sweep (-m) cannot run under torchrun" in done.stderr
     assert not (tmp_path / "sweep").exists()
+
+
+# --- several processes fail safely ------------------------------------------------------------------------------
+
+def launch_cli(what: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``torchrun ... adazeta-run ARGS`` with one rank made different (``dist_worker.py cli WHAT``), in its own
+    process group (a signal to the group is a terminal's Ctrl-C)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER), "cli",
+           what, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          start_new_session=True)
+
+
+def no_rank_traceback(stderr: str) -> bool:
+    """Whether no rank printed a traceback of the runner's code (torchrun's own summary of a failed launch aside)."""
+    return f"{os.sep}adazeta{os.sep}" not in stderr and "[rank0]:" not in stderr and "[rank1]:" not in stderr
+
+
+@pytest.mark.parametrize("what, line", [
+    # Ranks that disagree on a setting that changes the numbers: refused before the run directory is touched.
+    ("1:method.optimizer.lr=0.5", "the ranks were given different settings, so they would train different models: "
+                                  "method.optimizer.lr is 0.001 on rank 0, 0.5 on rank 1"),
+    # One rank's mistake (its command line, a file its node lacks): every rank stops, rank 0 says which rank.
+    ("1:train.eval_evry=3", "rank 1: train.eval_evry=3: train has no key 'eval_evry'"),
+    ("1:data.dir=/nonexistent", "rank 1: method 'mezo_lora' needs the train split to train: data file not found: "
+                                "/nonexistent/"),
+])
+def test_ranks_that_disagree_or_one_rank_refused_stop_every_rank_in_one_line(what, line, fixture_data, tmp_path):
+    """Before: ranks given different settings ran apart until the step-50 checksum and left a checkpoint of a
+    desynchronised run, and a bad override on one rank ended in torchrun's report alone."""
+    run_dir = tmp_path / "run"
+    done = launch_cli(what, *tiny_overrides(fixture_data, "method=mezo_lora", "method.optimizer.lr=1e-3"),
+                      f"hydra.run.dir={run_dir}")
+    errors = [x for x in done.stderr.splitlines() if x.startswith("adazeta-run: error:")]
+    assert len(errors) == 1 and line in errors[0], done.stderr[-3000:]
+    assert "exitcode  : 2" in done.stderr and "rank      : 0" in done.stderr  # rank 0 alone fails, with status 2
+    assert no_rank_traceback(done.stderr), done.stderr[-3000:]
+    assert not run_dir.exists()  # no record, no checkpoint: nothing ran
+
+
+def test_ctrl_c_to_the_process_group_checkpoints_and_a_resume_keeps_the_layout(fixture_data, tmp_path):
+    """Ctrl-C reaches torchrun and both ranks, and torchrun relays it to them: before, that repeat stopped the ranks
+    at once without a checkpoint. Now the run is interrupted after the step, checkpointed, each rank exits cleanly;
+    a resume on another process layout is refused unless distributed.resume_layout=any."""
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(fixture_data, "method=mezo_lora", "train.max_steps=8", f"hydra.run.dir={run_dir}")
+    done = launch_cli("0@3:SIGINT/group", *overrides)
+    record = json.loads((run_dir / "result.json").read_text())
+    assert (record["status"], record["signal"], record["checkpoint_step"]) == ("interrupted", "SIGINT", 3), \
+        done.stderr[-3000:]
+    assert "adazeta-run: interrupted (SIGINT" in done.stderr and no_rank_traceback(done.stderr)
+    assert (run_dir / "checkpoint.pt").is_file()
+    one = [o for o in overrides if not o.startswith("hydra.")]
+    with pytest.raises(ConfigError, match=r"was written on another process layout \(world_size 2 -> 1, mode auto -> "
+                                          r"None\).*rerun with distributed.resume_layout=any"):
+        run(compose_cfg(one), run_dir, one)
+    assert json.loads((run_dir / "result.json").read_text()) == record  # refused before any work
+    resumed = run(compose_cfg([*one, "distributed.resume_layout=any"]), run_dir, one)
+    assert (resumed["status"], resumed["resumed_from_step"], resumed["steps"]) == ("finished", 3, 8)
+
+
+def test_rank_zero_killed_leaves_a_failed_record_with_its_last_checkpoint(fixture_data, tmp_path):
+    """Before: SIGKILL to rank 0 left no result.json at all. Now the surviving rank sees rank 0's process gone,
+    writes the failed record naming it, and offers the checkpoint rank 0 left once it checked that it resumes."""
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(fixture_data, "method=mezo_lora", "train.max_steps=8", "train.checkpoint_every=2",
+                               f"hydra.run.dir={run_dir}")
+    done = launch_cli("0@5:SIGKILL", *overrides)
+    assert done.returncode != 0
+    record = json.loads((run_dir / "result.json").read_text())
+    assert record["status"] == "failed" and record["world_size"] == 2, done.stderr[-3000:]
+    assert record["reason"].startswith("rank 0 (pid ") and "ended without reporting an error" in record["reason"]
+    assert "rank 1 recorded the run in its place" in record["reason"]
+    assert record["checkpoint_step"] == 4
+    one = [o for o in overrides if not o.startswith("hydra.")]
+    resumed = run(compose_cfg([*one, "distributed.resume_layout=any"]), run_dir, one)
+    assert (resumed["status"], resumed["resumed_from_step"]) == ("finished", 4)

@@ -174,6 +174,7 @@ def follow(argv: list[str]) -> None:
     own (rank 0 runs Hydra, owns the directory and tells the others where it is and what to do)."""
     from hydra import compose, initialize_config_dir
 
+    from adazeta.distributed import launch_env
     from adazeta.run import run
 
     overrides = [a for a in argv if not a.startswith(("hydra.", "hydra/", "+hydra.", "++hydra."))]
@@ -183,8 +184,27 @@ def follow(argv: list[str]) -> None:
         run(cfg, Path("."), overrides)
     except PeerError:
         return  # rank 0 prints the line and fails the launch; failing here first could stop rank 0 before it does
-    except ConfigError:
+    except ConfigError as err:  # this rank's own mistake, found after the start-up check
+        print(f"adazeta-run: error: rank {launch_env()[0]}: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+def refuse_together(problem: str) -> None:
+    """A rank whose command line is refused (several processes): it joins the others' start-up check, so that
+    every rank stops at once and rank 0 alone prints the line, naming the rank, and exits 2 (a rank that exited
+    first would have torchrun stop the others with its own report instead)."""
+    from adazeta import distributed
+
+    distributed.init()
+    try:
+        distributed.agree(None, problem)
+    except PeerError:
+        sys.exit(0)  # rank 0 prints the line and fails the launch
+    except ConfigError as err:
+        print(f"adazeta-run: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        distributed.close()
 
 
 def main() -> None:
@@ -192,11 +212,13 @@ def main() -> None:
     from adazeta.distributed import launch_env
 
     checked = check(sys.argv[1:], config_dir())
+    where = launch_env()
+    if checked.errors and where is not None:
+        refuse_together("; ".join(checked.errors))
     for line in checked.errors:
         print(f"adazeta-run: error: {line}", file=sys.stderr)
     if checked.errors:
         sys.exit(2)
-    where = launch_env()
     if where is not None and checked.sweep_dir is not None:
         if where[0] == 0:
             print("adazeta-run: error: a sweep (-m) cannot run under torchrun: start one torchrun per point, or "

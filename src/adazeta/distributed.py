@@ -27,6 +27,7 @@ hangs ends the run after ``distributed.timeout_s``, the collectives' timeout.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -39,11 +40,12 @@ from typing import Any, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from adazeta.errors import ConfigError
+from adazeta.errors import ConfigError, PeerError
 
 log = logging.getLogger("adazeta")
 
 MODES = ("auto", "query", "data")
+RESUME_LAYOUTS = ("same", "any")
 REPORT_KEY = "adazeta/report/{rank}"  # a rank's failure or stop signal, for rank 0's record
 PROCESS_KEY = "adazeta/process/{rank}"  # host, pid and start time of a rank's process: is it still there?
 ORDER_KEY = "adazeta/reports"  # counts the reports: the first one is the cause, later ones its consequences
@@ -60,10 +62,17 @@ class DistributedConfig:
     # A collective that waits this long for a rank that neither answers nor ends (a hung process, a lost node) ends
     # the run, recorded `failed` with the silent rank named. A rank whose process ends is noticed at once.
     timeout_s: int = 1800
+    # same: a checkpoint resumes only on the process layout that wrote it (world size and mode: another layout
+    # divides the queries and shards otherwise, so the resumed run is not the run that was started); any: resume
+    # on whatever layout this command has (the record keeps the layout of its last invocation).
+    resume_layout: str = "same"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"distributed.mode={self.mode!r} must be one of {', '.join(MODES)}")
+        if self.resume_layout not in RESUME_LAYOUTS:
+            raise ConfigError(f"distributed.resume_layout={self.resume_layout!r} must be one of "
+                              f"{', '.join(RESUME_LAYOUTS)}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int) or self.timeout_s < 1:
             raise ConfigError(f"distributed.timeout_s={self.timeout_s!r} must be an int >= 1 (seconds)")
 
@@ -138,6 +147,11 @@ class Dist:
 
 
 SINGLE = Dist()
+
+
+def relays_signals() -> bool:
+    """Whether this process was started by torchrun, whose agent relays each stop signal it gets to every rank."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def launch_env() -> tuple[int, int, int] | None:
@@ -293,6 +307,29 @@ def lost_peers() -> str | None:
             "memory)")
 
 
+def heir_of_main(wait_s: float = 1.0) -> str | None:
+    """Why rank 0 is gone, when its process (on this host) ended without a report (SIGKILL, out of memory) and this
+    rank is the lowest one still running: this rank then writes the run's record in rank 0's place. None otherwise
+    (rank 0 runs, or reported its own failure and records it; or another rank inherits). A collective broken by rank
+    0's death can fail a moment before its process is seen to end: wait up to ``wait_s`` for it."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        where, ended = _process(0)
+        if _report(0) is not None or ended is None:
+            return None
+        if ended:
+            break
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+    if any(_process(r)[1] is not True for r in range(1, dist.get_rank())):
+        return None  # a lower rank still runs (or cannot be seen): it writes the record
+    return (f"rank 0 ({where}) ended without reporting an error (killed by a signal such as SIGKILL, or out of "
+            f"memory); rank {dist.get_rank()} recorded the run in its place")
+
+
 def report_failure(message: str, signal_name: str | None = None) -> None:
     """Leave this rank's error, or the signal that stopped it at once, where rank 0 can read it (the store
     outlives a failed rank under torchrun)."""
@@ -345,6 +382,69 @@ def peer_failure(error: BaseException | None = None, wait_s: float = 5.0) -> Pee
         first = min(reports.values(), key=lambda r: r["order"])
         return PeerReport(f"rank {first['rank']}: {first['reason']}", first.get("signal"))
     return None
+
+
+def _fingerprint(settings: dict[str, Any] | None) -> str | None:
+    return None if settings is None else hashlib.sha256(
+        json.dumps(settings, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+def agree(settings: dict[str, Any] | None, problem: str | None = None) -> None:
+    """Before any heavy work: every rank runs the same settings and none of them is refused, or none runs.
+
+    ``settings``: this rank's flat settings that decide the run's numbers (paths that may differ per node left
+    out); ``problem``: this rank's one-line error (a bad override, a missing file), settings then None. Each rank
+    contributes a hash and its problem (one all-gather); only when the hashes differ are the settings themselves
+    gathered, to name the first differing key and each rank's value. Rank 0 raises the ConfigError it prints
+    (naming the rank), the others a PeerError, so that every rank ends before the run directory is touched.
+    """
+    if not dist.is_initialized():
+        if problem is not None:
+            raise ConfigError(problem)
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = (_fingerprint(settings), problem)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    message = _refusal(everyone, settings)
+    if message is not None:
+        raise (ConfigError if rank == 0 else PeerError)(message)
+
+
+def _refusal(everyone: list[tuple[str | None, str | None]], settings: dict[str, Any] | None) -> str | None:
+    """The one line that stops the launch (a rank's error, or the ranks' settings disagreeing), or None."""
+    problems = [(r, p) for r, (_, p) in enumerate(everyone) if p is not None]
+    if problems:
+        first = problems[0][1]
+        same = [r for r, p in problems if p == first]
+        ranks = f"rank {same[0]}" if len(same) == 1 else (
+            "every rank" if len(same) == len(everyone) else f"ranks {', '.join(map(str, same))}")
+        more = len(problems) - len(same)
+        return f"{ranks}: {first}" + (f" (and {more} other rank(s) with another error)" if more else "")
+    if len({digest for digest, _ in everyone}) == 1:
+        return None
+    gathered: list[Any] = [None] * len(everyone)
+    dist.all_gather_object(gathered, settings)
+    missing = object()
+    keys = sorted({k for s in gathered for k in s})
+    key = next(k for k in keys if len({repr(s.get(k, missing)) for s in gathered}) > 1)
+    values = ", ".join(f"{s[key]!r} on rank {r}" if key in s else f"absent on rank {r}" for r, s in enumerate(gathered))
+    return (f"the ranks were given different settings, so they would train different models: {key} is {values}; "
+            "start every rank with the same command and environment")
+
+
+def layout(d: Dist, mode: str) -> dict[str, Any]:
+    """The process layout a checkpoint records: the world size, and the mode when there are several processes."""
+    return {"world_size": d.world_size, "mode": mode if d.enabled else None}
+
+
+def layout_change(recorded: dict[str, Any] | None, current: dict[str, Any]) -> str | None:
+    """``world_size 2 -> 1`` (and the mode's change) when a checkpoint's layout is not this command's; None when it
+    is, or when the checkpoint predates the record of layouts."""
+    if recorded is None:
+        return None
+    changes = [f"{k} {recorded.get(k)} -> {v}" for k, v in current.items() if recorded.get(k) != v]
+    return ", ".join(changes) or None
 
 
 def describe(d: Dist, spread_mode: str, zeroth_order: bool) -> dict[str, Any]:

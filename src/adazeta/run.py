@@ -28,7 +28,16 @@ from adazeta.errors import ConfigError, PeerError
 from adazeta.probe import linear_probe
 from adazeta.record import ENDED, RunRecord, resume_hint
 from adazeta.results import device_info, git_state, package_versions, read_record, write_result
-from adazeta.rundir import Interrupted, StopSignals, atomic_write_text, claim, config_differences, forget_signals
+from adazeta.rundir import (
+    Interrupted,
+    StopSignals,
+    atomic_write_text,
+    claim,
+    config_differences,
+    flatten,
+    forget_signals,
+    result_settings,
+)
 from adazeta.saving import model_card, save_adapters
 from adazeta.build import build, preflight, seed_everything
 from adazeta.settings import Settings, parse
@@ -60,15 +69,23 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None,
     watch the run's steps and evaluations (``adazeta.train.Observer``: diagnostics, benches); no number changes.
     """
     forget_signals()
-    s = parse(adopt_saved_run(cfg, overrides or []))
-    preflight(s)
-    if s.dry_run:
-        where = distributed.launch_env()
+    where = distributed.launch_env()
+    try:
+        s: Settings | None = parse(adopt_saved_run(cfg, overrides or []))
+        preflight(s)
+        problem = None
+    except ConfigError as err:
+        if where is None or cfg.get("dry_run") is True:
+            raise
+        s, problem = None, str(err)  # one rank's mistake (a file missing on its node): every rank stops with it
+    if s is not None and s.dry_run:
         return dry_run(s) if where is None or where[0] == 0 else {}  # one report for the whole launch
-    d = distributed.init(s.distributed)
+    d = distributed.init(s.distributed if s is not None else None)
     if not d.enabled:
         return _run_claimed(s, run_dir, overrides, d, observers)
     try:
+        # Before any work: the ranks run one experiment (the same settings), or none of them runs.
+        distributed.agree(agreed_settings(s.raw) if s is not None else None, problem)
         run_dir = Path(distributed.broadcast(str(run_dir)))  # Hydra's timestamped folder: rank 0's
         if d.is_main:
             return _run_claimed(s, run_dir, overrides, d, observers)
@@ -120,6 +137,8 @@ def _run_claimed(s: Settings, run_dir: Path, overrides: list[str] | None, d: Dis
                 if checkpoint.is_file():
                     resume = load_checkpoint(checkpoint)
                     check_resumable(run_dir, resume, s.task.metric)
+                    check_layout(checkpoint, resume, distributed.layout(d, s.distributed.mode),
+                                 s.distributed.resume_layout)
             write_provenance(run_dir, s.raw, overrides)
             decide("run", resume is not None)
             return execute(s, run_dir, resume, d, observers)
@@ -127,6 +146,14 @@ def _run_claimed(s: Settings, run_dir: Path, overrides: list[str] | None, d: Dis
         if d.enabled and not decided:  # the other ranks wait for a decision: they stop too
             distributed.broadcast(("error", str(err) if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"))
         raise
+
+
+def agreed_settings(raw: dict[str, Any]) -> dict[str, Any]:
+    """What every rank of a run on several processes must hold alike: the settings that decide the run's numbers
+    (``result_settings``: paths that may differ per node left out), how the work is divided, and the guards (the
+    checksum is a collective every rank must reach at the same step)."""
+    shared = {k: v for k, v in flatten(raw).items() if k == "distributed.mode" or k.startswith("guard.")}
+    return {**result_settings(raw), **shared}
 
 
 CHECKPOINT = "checkpoint.pt"
@@ -198,6 +225,43 @@ def check_resumable(run_dir: Path, state: dict[str, Any], metric: str) -> None:
                               "restore the file, or rerun with force=true to start the run over")
 
 
+def check_layout(path: Path, state: dict[str, Any], current: dict[str, Any], resume_layout: str) -> None:
+    """Before any work: a checkpoint resumes on the process layout that wrote it, unless
+    ``distributed.resume_layout=any``."""
+    change = distributed.layout_change(state.get("layout"), current)
+    if change is None:
+        return
+    if resume_layout == "any":
+        log.warning("resuming %s on another process layout (%s), as distributed.resume_layout=any allows", path, change)
+        return
+    raise ConfigError(f"{path} was written on another process layout ({change}), which would continue the run with "
+                      "its work divided otherwise; launch as before, or rerun with distributed.resume_layout=any to "
+                      "resume anyway (or force=true to start over)")
+
+
+def verified_checkpoint(run_dir: Path, s: Settings, d: Dist) -> int | None:
+    """The step of the checkpoint rank 0 left in ``run_dir`` before its process died, when it is one this run can
+    resume from (readable, these settings and process layout, its CSV rows all there); None otherwise, and a file
+    that is not is moved aside (``checkpoint.unverified.pt``), so that the same command starts the run over."""
+    path = run_dir / CHECKPOINT
+    if not path.is_file():
+        return None
+    try:
+        state = load_checkpoint(path)
+        if config_differences(state["config"], s.raw):
+            raise ConfigError("written with other settings")
+        check_resumable(run_dir, state, s.task.metric)
+        check_layout(path, state, distributed.layout(d, s.distributed.mode), "same")
+        return int(state["loop"]["step"])
+    except ConfigError as err:
+        log.warning("%s cannot resume this run (%s): moved to %s", path, err, UNVERIFIED)
+        os.replace(path, run_dir / UNVERIFIED)
+        return None
+
+
+UNVERIFIED = "checkpoint.unverified.pt"
+
+
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """torch.save to a temp file, then one rename: a crash mid-write leaves the previous checkpoint."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -238,7 +302,8 @@ def execute(
     if resume is not None:
         saved[0] = record.resumed_from_step = resume["loop"]["step"]
         log.info("resuming %s from its checkpoint at step %d", run_dir, resume["loop"]["step"])
-    signals = StopSignals(distributed.lost_peers if d.enabled else None)
+    signals = StopSignals(distributed.lost_peers if d.enabled else None, relayed=distributed.relays_signals())
+    writer = d.is_main  # rank 0 writes the record; another rank only when rank 0's process is gone
     with signals:
         try:
             tracker = _execute(s, run_dir, resume, record, signals, saved, started, d, observers)
@@ -251,7 +316,12 @@ def execute(
             signals.at("save", "the run's record")
             reason = f"{type(err).__name__}: {err}"
             if d.enabled and not d.is_main:
-                distributed.report_failure(reason)  # for rank 0's record
+                heir = distributed.heir_of_main()
+                if heir is None:
+                    distributed.report_failure(reason)  # for rank 0's record
+                    raise
+                writer, record.reason = True, heir  # rank 0 died without a word: this rank records the run
+                saved[0] = verified_checkpoint(run_dir, s, d)
                 raise
             peer = distributed.peer_failure(err) if d.enabled else None
             if peer is None or peer.signal is None:
@@ -265,7 +335,7 @@ def execute(
                 record.checkpoint_step = saved[0] if checkpoint.is_file() else None
             elif signals.requested is not None:  # it came during the final evaluation, which finished
                 record.signal = signals.requested
-            if d.is_main:  # rank 0 writes the record
+            if writer:  # rank 0 writes the record (or the rank that outlived it)
                 record.wall_time_s = round(time.time() - started, 2)
                 record.git, record.packages, record.config = code, package_versions(), s.raw
                 written = record.as_dict()
@@ -280,7 +350,7 @@ def execute(
                 tracker.close()
         if d.is_main and record.status in ENDED:
             checkpoint.unlink(missing_ok=True)  # the result is final: nothing to resume
-    if record.status == "interrupted":
+    if record.status == "interrupted" and writer:  # the other ranks cannot tell whether rank 0 saved its checkpoint
         log.warning("interrupted (%s); %s", record.reason, resume_hint(record.as_dict()))
     elif signals.requested is not None:
         log.warning("%s: the run completed first and is recorded (%s) in %s", signals.requested, record.status,
@@ -376,7 +446,8 @@ def _execute(
         try:
             if d.is_main:
                 save_checkpoint(run_dir / CHECKPOINT, {"config": s.raw, "loop": state, "tracker": tracker.position(),
-                                                       "wall_time_s": round(time.time() - started, 2)})
+                                                       "wall_time_s": round(time.time() - started, 2),
+                                                       "layout": distributed.layout(d, s.distributed.mode)})
             saved[0] = state["step"]
         finally:
             signals.at(phase, where)
