@@ -8,8 +8,9 @@
     dist_worker.py cli WHAT OVERRIDE...        ``adazeta-run OVERRIDE...`` on every rank, and WHAT on one:
                                                ``R:OVERRIDE``: rank R adds OVERRIDE last (what a node's own
                                                environment or files can make differ); ``R@STEP:SIGNAL``: rank R
-                                               sends SIGNAL to itself after STEP (``SIGINT/group``: to its process
-                                               group, as a terminal's Ctrl-C reaches torchrun and every rank)
+                                               sends SIGNAL to itself after STEP (``SIGINT/launcher``: to
+                                               torchrun, which a terminal's Ctrl-C reaches, and which relays it
+                                               to every rank)
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def run_with_fault(run_dir: Path, fail_step: int, overrides: list[str]) -> None:
 def cli_with_one_rank_different(what: str, overrides: list[str]) -> None:
     import os
     import signal
+    import time
 
     import adazeta.train as train_module
     from adazeta import cli
@@ -96,8 +98,9 @@ def cli_with_one_rank_different(what: str, overrides: list[str]) -> None:
         def signalling(self, step, *args):
             progress_step(self, step, *args)
             if step == int(at):
-                if target == "group":
-                    os.killpg(os.getpgid(0), signal.Signals[name])
+                if target == "launcher":  # what a Ctrl-C to the terminal's process group reaches: torchrun
+                    os.kill(os.getppid(), signal.Signals[name])
+                    time.sleep(0.5)  # the step still under way when torchrun relays the signal to the ranks
                 else:
                     os.kill(os.getpid(), signal.Signals[name])
 

@@ -29,6 +29,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    # One of several processes (torchrun relays a Ctrl-C to every rank): a Ctrl-C while the modules below load
+    # ends this process quietly, not with a traceback per rank; from ``main`` on it is an interrupted start-up.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
@@ -39,7 +44,7 @@ from adazeta.errors import ConfigError, PeerError
 from adazeta.overrides import check
 from adazeta.paths import CONFIG_ENV, config_dir  # noqa: F401  (CONFIG_ENV re-exported)
 from adazeta.record import main_score, resume_hint
-from adazeta.rundir import received_signal
+from adazeta.rundir import Interrupted, received_signal
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def _main(cfg: DictConfig) -> float | None:
@@ -63,6 +68,8 @@ def _main(cfg: DictConfig) -> float | None:
         return None
     try:
         record = run(cfg, run_dir, list(hydra_cfg.overrides.task))
+        if where is not None:
+            _exiting_on_signal()  # the run is over and recorded: no start-up left for a signal to stop
     except ConfigError as err:
         # A user's mistake: one line with the fix, no traceback.
         print(f"adazeta-run: error: {err}", file=sys.stderr)
@@ -182,6 +189,7 @@ def follow(argv: list[str]) -> None:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
         run(cfg, Path("."), overrides)
+        _exiting_on_signal()  # the run is over: no start-up left for a signal to stop
     except PeerError:
         return  # rank 0 prints the line and fails the launch; failing here first could stop rank 0 before it does
     except ConfigError as err:  # this rank's own mistake, found after the start-up check
@@ -207,12 +215,41 @@ def refuse_together(problem: str) -> None:
         distributed.close()
 
 
+def _stop_start_up(signum: int, frame: Any) -> None:
+    raise Interrupted(signal.Signals(signum).name, "the start-up")
+
+
+def start_up_signals(rank: int) -> None:
+    """Several processes: until the run installs its own handlers (``adazeta.rundir.StopSignals``), a stop signal
+    ends the start-up with one line from rank 0 and status 128 + n, not a traceback per rank. The other ranks end
+    by the signal itself, at once: one waiting inside a collective for rank 0 runs no Python handler."""
+    if rank == 0:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _stop_start_up)
+    else:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def main() -> None:
     """Check the overrides (one line and exit 2 for a mistake), run, and sum up a sweep's failed points."""
     from adazeta.distributed import launch_env
 
-    checked = check(sys.argv[1:], config_dir())
     where = launch_env()
+    if where is None:
+        return _main_checked(where)
+    start_up_signals(where[0])
+    try:
+        _main_checked(where)
+    except Interrupted as stop:  # before the run began: nothing was written, nothing to resume
+        _exiting_on_signal()
+        if where[0] == 0:
+            print(f"adazeta-run: interrupted ({stop.name} during {stop.where}, before the run began); nothing was "
+                  "written, so the same command starts the run", file=sys.stderr)
+        sys.exit(128 + signal.Signals[stop.name].value)
+
+
+def _main_checked(where: tuple[int, int, int] | None) -> None:
+    checked = check(sys.argv[1:], config_dir())
     if checked.errors and where is not None:
         refuse_together("; ".join(checked.errors))
     for line in checked.errors:

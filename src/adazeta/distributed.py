@@ -149,11 +149,6 @@ class Dist:
 SINGLE = Dist()
 
 
-def relays_signals() -> bool:
-    """Whether this process was started by torchrun, whose agent relays each stop signal it gets to every rank."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
 def launch_env() -> tuple[int, int, int] | None:
     """(rank, world size, local rank) from torchrun's variables, or from SLURM's for N tasks; None for one."""
     env = os.environ

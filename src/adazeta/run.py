@@ -80,7 +80,12 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None,
         s, problem = None, str(err)  # one rank's mistake (a file missing on its node): every rank stops with it
     if s is not None and s.dry_run:
         return dry_run(s) if where is None or where[0] == 0 else {}  # one report for the whole launch
-    d = distributed.init(s.distributed if s is not None else None)
+    try:
+        d = distributed.init(s.distributed if s is not None else None)
+    except Exception:
+        if problem is None:
+            raise
+        raise ConfigError(problem) from None  # no group to tell (no rendezvous): this rank says it alone
     if not d.enabled:
         return _run_claimed(s, run_dir, overrides, d, observers)
     try:
@@ -302,7 +307,7 @@ def execute(
     if resume is not None:
         saved[0] = record.resumed_from_step = resume["loop"]["step"]
         log.info("resuming %s from its checkpoint at step %d", run_dir, resume["loop"]["step"])
-    signals = StopSignals(distributed.lost_peers if d.enabled else None, relayed=distributed.relays_signals())
+    signals = StopSignals(distributed.lost_peers if d.enabled else None)
     writer = d.is_main  # rank 0 writes the record; another rank only when rank 0's process is gone
     with signals:
         try:

@@ -221,14 +221,11 @@ class StopSignals:
     A notice signal (SIGUSR1, SIGUSR2) that had a Python handler before (submitit's requeue): ``forward()`` calls
     that handler after the run has written its checkpoint and record. ``lost_peers`` (several processes): a signal
     that arrives while another rank's process is gone (torchrun stops the survivors with SIGTERM) is that rank's
-    failure, raised at once as ``PeerLost``. ``relayed`` (under torchrun): the launcher relays each stop signal it
-    receives to every rank, so a Ctrl-C to the process group reaches a rank twice; the first repeat of the signal
-    that asked for the stop is that relay, not a second request (the next one still stops at once).
+    failure, raised at once as ``PeerLost``.
     """
 
-    def __init__(self, lost_peers: Callable[[], str | None] | None = None, relayed: bool = False) -> None:
+    def __init__(self, lost_peers: Callable[[], str | None] | None = None) -> None:
         self.requested: str | None = None
-        self.relayed = relayed  # the one repeat of the requested signal to take as the launcher's relay is pending
         self.notice: tuple[int, Any] | None = None  # the notice signal received and its earlier handler
         self.phase, self.where = "setup", "the set-up (model and data loading)"
         self.lost_peers = lost_peers
@@ -256,10 +253,6 @@ class StopSignals:
         lost = self.lost_peers() if self.lost_peers is not None and self.phase != "final" else None
         if lost is not None:
             raise PeerLost(lost)
-        if self.relayed and name == self.requested and self.phase in ("step", "final"):
-            self.relayed = False
-            log.info("%s relayed by the launcher: still stopping after %s", name, self.where)
-            return
         first = self.requested is None
         self.requested = self.requested or name
         if first and self.phase == "step":  # finish the step, checkpoint, stop
