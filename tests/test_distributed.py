@@ -227,6 +227,20 @@ def launch_cli(what: str, *args: str, timeout: float = 300) -> subprocess.Comple
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+def test_the_start_up_check_names_the_refused_ranks_and_a_resume_names_the_layout_change():
+    """Which rank a refusal names when several are refused, and what a layout change says (no process group)."""
+    from adazeta.distributed import _refusal, layout_change
+
+    assert _refusal([("h", None), ("h", None)], {"seed": 0}) is None
+    assert _refusal([("h", "data.dir: not found"), ("h", "data.dir: not found")], None) == \
+        "every rank: data.dir: not found"
+    assert _refusal([("h", None), (None, "bad"), (None, "worse")], None) == \
+        "rank 1: bad (and 1 other rank(s) with another error)"
+    assert layout_change(None, {"world_size": 2, "mode": "auto"}) is None  # a checkpoint from before layouts
+    assert layout_change({"world_size": 2, "mode": "query"}, {"world_size": 2, "mode": "data"}) == "mode query -> data"
+    assert layout_change({"world_size": 4, "mode": "auto"}, {"world_size": 4, "mode": "auto"}) is None
+
+
 def no_rank_traceback(stderr: str) -> bool:
     """Whether no rank printed a traceback of the runner's code (torchrun's own summary of a failed launch aside)."""
     return f"{os.sep}adazeta{os.sep}" not in stderr and "[rank0]:" not in stderr and "[rank1]:" not in stderr

@@ -1,4 +1,6 @@
 """One run on several processes: ``torchrun --nproc_per_node N adazeta-run ...`` (or N SLURM tasks).
+Over 400 lines: how the work is divided and how the ranks fail together (the start-up check, reports, lost
+processes) share the one process group and its store, so they stay in one module.
 
 A zeroth-order step needs only scalars to cross processes. Every rank holds the whole model and the same
 trainable weights; a step's Q queries and its minibatch are divided over the ranks as ``G`` query groups of ``D``
@@ -21,7 +23,10 @@ on every rank (the same numbers everywhere, so that every rank takes the same de
 files and wandb. A rank that fails, or that a signal stops at once, leaves its report in the process group's
 store, where rank 0 reads it to record the run with that reason. A rank whose process is gone without a report
 (SIGKILL, out of memory) is named by rank 0 from the process it registered at start-up (same host); one that
-hangs ends the run after ``distributed.timeout_s``, the collectives' timeout.
+hangs ends the run after ``distributed.timeout_s``, the collectives' timeout. When that process is rank 0's, the
+lowest surviving rank writes the record in its place (``heir_of_main``). Before any work, the ranks compare a
+hash of their settings and stop together, in one line from rank 0, when they differ or one of them was refused
+(``agree``); a checkpoint records the process layout that wrote it (``layout``).
 """
 
 from __future__ import annotations
@@ -422,7 +427,9 @@ def _refusal(everyone: list[tuple[str | None, str | None]], settings: dict[str, 
     dist.all_gather_object(gathered, settings)
     missing = object()
     keys = sorted({k for s in gathered for k in s})
-    key = next(k for k in keys if len({repr(s.get(k, missing)) for s in gathered}) > 1)
+    key = next((k for k in keys if len({repr(s.get(k, missing)) for s in gathered}) > 1), None)
+    if key is None:  # the same values, hashed apart (a value without a stable text form): name no key
+        return "the ranks' settings hash differently; start every rank with the same command and environment"
     values = ", ".join(f"{s[key]!r} on rank {r}" if key in s else f"absent on rank {r}" for r, s in enumerate(gathered))
     return (f"the ranks were given different settings, so they would train different models: {key} is {values}; "
             "start every rank with the same command and environment")
