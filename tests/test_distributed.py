@@ -302,6 +302,7 @@ def test_rank_zero_killed_leaves_a_failed_record_with_its_last_checkpoint(fixtur
     assert record["reason"].startswith("rank 0 (pid ") and "ended without reporting an error" in record["reason"]
     assert "rank 1 recorded the run in its place" in record["reason"]
     assert record["checkpoint_step"] == 4
+    assert "adazeta-run: error: rank 0 (pid " in done.stderr and "[rank1]:" not in done.stderr  # one line, no trace
     one = [o for o in overrides if not o.startswith("hydra.")]
     resumed = run(compose_cfg([*one, "distributed.resume_layout=any"]), run_dir, one)
     assert (resumed["status"], resumed["resumed_from_step"]) == ("finished", 4)

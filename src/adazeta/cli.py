@@ -44,7 +44,7 @@ from adazeta.errors import ConfigError, PeerError
 from adazeta.overrides import check
 from adazeta.paths import CONFIG_ENV, config_dir  # noqa: F401  (CONFIG_ENV re-exported)
 from adazeta.record import main_score, resume_hint
-from adazeta.rundir import Interrupted, received_signal
+from adazeta.rundir import Interrupted, PeerLost, received_signal
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def _main(cfg: DictConfig) -> float | None:
@@ -195,6 +195,9 @@ def follow(argv: list[str]) -> None:
     except ConfigError as err:  # this rank's own mistake, found after the start-up check
         print(f"adazeta-run: error: rank {launch_env()[0]}: {err}", file=sys.stderr)
         sys.exit(2)
+    except PeerLost as err:  # another rank's process is gone (this rank recorded rank 0's death, when it was)
+        print(f"adazeta-run: error: {err}", file=sys.stderr)
+        sys.exit(1)
 
 
 def refuse_together(problem: str) -> None:

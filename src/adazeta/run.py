@@ -30,6 +30,7 @@ from adazeta.record import ENDED, RunRecord, resume_hint
 from adazeta.results import device_info, git_state, package_versions, read_record, write_result
 from adazeta.rundir import (
     Interrupted,
+    PeerLost,
     StopSignals,
     atomic_write_text,
     claim,
@@ -327,7 +328,7 @@ def execute(
                     raise
                 writer, record.reason = True, heir  # rank 0 died without a word: this rank records the run
                 saved[0] = verified_checkpoint(run_dir, s, d)
-                raise
+                raise PeerLost(f"{heir}: failed, in {run_dir / 'result.json'}") from err
             peer = distributed.peer_failure(err) if d.enabled else None
             if peer is None or peer.signal is None:
                 record.reason = peer.reason if peer else reason  # a collective broken by another rank: its failure
