@@ -295,7 +295,8 @@ def execute(
     and be recorded: see ``adazeta.rundir.PHASES``); a finished or diverged run removes its checkpoint. ``result.json`` is written in every case, atomically, with
     the signals held back while it is written.
     Several processes (``d``): every rank trains; rank 0 alone writes files and wandb, and when another rank
-    fails, or a signal stops it at once, rank 0 records the run with that rank's report.
+    fails, or a signal stops it at once, rank 0 records the run with that rank's report; when rank 0's process
+    ends without one (SIGKILL), the lowest surviving rank records the run in its place (``verified_checkpoint``).
     """
     # Seconds over every invocation: a resumed run starts its clock at the time its checkpoint recorded.
     started = time.time() - (float(resume.get("wall_time_s", 0.0)) if resume is not None else 0.0)
