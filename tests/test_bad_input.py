@@ -47,7 +47,7 @@ CASES = [
     (["seed=-1"], "seed=-1 must be an integer in [0, 2**32 - 1]"),
     (["seed=1e20"], "must be an integer in [0, 2**32 - 1]"),
     (["seed=abc"], "seed='abc' must be an integer"),
-    (["method.optimizer.lr=-1"], "method.optimizer.lr=-1.0 must be >= 0"),
+    (["method.optimizer.lr=-1"], "method.optimizer.lr=-1.0 must be > 0"),
     (["method.optimizer.eps=0"], "method.optimizer.eps=0.0 must be > 0"),
     (["method.optimizer.reduction=median"], "method.optimizer.reduction='median' must be one of mean, sum"),
     (["method.optimizer.estimator=forward"], "method.optimizer.estimator='forward' must be one of"),

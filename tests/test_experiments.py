@@ -336,9 +336,9 @@ def test_sweep_grid_seeds_table_and_rerun_skips(tmp_path, fixture_data):
 
 
 def test_a_failed_job_does_not_stop_the_sweep(tmp_path, fixture_data):
-    # The second learning rate is invalid: its jobs fail at start-up, the others still run.
+    # The second learning rate is invalid: its points are left out before any job starts, the others still run.
     res = sweep(tmp_path, fixture_data, "method.optimizer.lr=1e-4,-1")
-    assert res.returncode == 1  # ... and the sweep says so at the end, one line per failed point
+    assert res.returncode == 2  # ... and the sweep says so at the end, one line per value left out
     assert "sweep point(s) did not run to a result" in res.stderr and "method.optimizer.lr=-1" in res.stderr
     assert len(list((tmp_path / "runs").rglob("result.json"))) == 4
 

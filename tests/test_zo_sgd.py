@@ -265,7 +265,7 @@ def test_step_never_syncs_with_the_host_on_cuda() -> None:
     ("kwargs", "message"),
     [
         ({"eps": 0.0}, "eps=0.0 must be > 0"),
-        ({"lr": -1.0}, "lr=-1.0 must be >= 0"),
+        ({"lr": -1.0}, "lr=-1.0 must be > 0"),
         ({"n_queries": 0}, "n_queries=0 must be an int >= 1"),
         ({"reduction": "max"}, "reduction='max' must be one of mean, sum"),
         ({"estimator": "forward"}, "estimator='forward' must be one of central, es, es_independent, forward_grad, one_sided"),

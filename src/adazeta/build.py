@@ -45,7 +45,7 @@ from adazeta.scoring import Encoded, Scorer, packing_supported
 from adazeta.settings import Settings, parse, unused_keys
 from adazeta.tasks.loaders import TaskData, check_data, load_task, split_rows, validate_local_rows
 from adazeta.tasks.objectives import build_objective
-from adazeta.tracking import quiet_third_party
+from adazeta.tracking import check_wandb, quiet_third_party
 from adazeta.train import RunLength, steps_per_epoch
 
 log = logging.getLogger("adazeta")
@@ -79,6 +79,9 @@ def preflight(s: Settings) -> None:
     if hidden and hasattr(s.adapter.config, "check_hidden"):
         s.adapter.config.check_hidden(hidden)
     s.adapter.config.check_ready()
+    where = distributed.launch_env()
+    if where is None or where[0] == 0:  # rank 0 alone logs to wandb
+        check_wandb(s.wandb)
     precision.check(s.model, s.adapter.config.trains_backbone, s.method)
     why = unused_keys(s).get("train.gradient_checkpointing")
     if why is not None:  # from a config file: a command line setting it is refused earlier (adazeta.overrides)

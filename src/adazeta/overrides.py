@@ -67,7 +67,24 @@ class Source:
 
     def options(self, group: str) -> list[str]:
         dirs = [self.config_dir] + ([self.extra_dir] if self.extra_dir else [])
-        return sorted({p.stem for d in dirs for p in (Path(d) / group).glob("*.yaml")})
+        found = {p.stem for d in dirs for p in (Path(d) / group).glob("*.yaml")}
+        if group.startswith("hydra/"):  # Hydra's own groups and its plugins' (hydra/launcher=joblib) are not files here
+            found |= set(self._hydra_loader(lambda loader: loader.get_group_options(group)))
+        return sorted(found)
+
+    def hydra_groups(self, parent: str = "hydra") -> list[str]:
+        """Hydra's config groups below ``parent`` (``hydra/launcher``, ``hydra/sweeper``, ...), from its search path."""
+        return sorted(f"{parent}/{name}" for name in self._hydra_loader(lambda loader: loader.list_groups(parent)))
+
+    def _hydra_loader(self, read: Any) -> list[str]:
+        from hydra import initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+
+        try:
+            with initialize_config_dir(config_dir=self.config_dir, version_base="1.3"):
+                return list(read(GlobalHydra.instance().config_loader()))
+        except Exception:  # no answer from Hydra: the folders alone
+            return []
 
     def is_group(self, name: str) -> bool:
         dirs = [self.config_dir] + ([self.extra_dir] if self.extra_dir else [])
@@ -322,7 +339,8 @@ def explain(error: Exception, override: str, source: Source, base: list[str]) ->
         options = source.options(group)
         if options:
             return f"{override}: {group} has no option {value!r}; known: {', '.join(options)}{_suggest(value, options)}"
-        return f"{override}: no config group {group!r}{_suggest(group, _groups(source))}"
+        groups = source.hydra_groups() if group.startswith("hydra/") else _groups(source)
+        return f"{override}: no config group {group!r}; known: {', '.join(groups)}{_suggest(group, groups)}"
     if "Could not override" in text and "@" not in key and _method_part(source.config_dir, key):
         return f"{override}: {key} is part of the method; choose it with {key}@method.{key}={value}"
     if "Could not append" in text and "already" in text:
@@ -378,8 +396,23 @@ def _unwritable_output(target: Path | None, multirun: bool) -> str | None:
         return None
     if not existing.is_dir():
         return f"hydra.{key}={target}: cannot write the run directory: {existing} is a file; choose another hydra.{key}"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"hydra.{key}={target}: cannot write the run directory: {existing} is not writable; choose another hydra.{key}"
+    # Try it: os.access says yes to root, where a read-only mount or a kernel folder (/proc) still refuses.
+    import shutil
+    import tempfile
+
+    try:
+        probe = tempfile.mkdtemp(prefix=".adazeta-probe-", dir=existing)
+    except OSError as err:
+        return (f"hydra.{key}={target}: cannot write the run directory: cannot create a folder in {existing} "
+                f"({err.strerror or err}); choose another hydra.{key}")
+    try:
+        with open(os.path.join(probe, "probe"), "w") as f:
+            f.write("probe")
+    except OSError as err:
+        return (f"hydra.{key}={target}: cannot write the run directory: cannot write a file in {existing} "
+                f"({err.strerror or err}); choose another hydra.{key}")
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
     return None
 
 
@@ -409,8 +442,40 @@ def _package(ns: argparse.Namespace, source: Source, base: list[str]) -> str | N
             f"{_suggest(ns.package, known)}")
 
 
-def _settings_error(source: Source, parsed: list[Any], base: list[str]) -> str | None:
-    """One line for a single run whose typed settings do not parse, or that sets a key its other settings ignore."""
+def _unresolved(cfg: Any, parsed: list[Any]) -> str | None:
+    """One line for an interpolation (``${...}``) of the composed config that cannot be resolved: a key that is not
+    there, an unset environment variable, an unknown resolver (Hydra would fail in the run with a traceback)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import GrammarParseError, InterpolationResolutionError
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except (InterpolationResolutionError, GrammarParseError) as err:
+        key = str(getattr(err, "full_key", "") or "")
+        blamed = next((p for p in parsed if p.key_or_group == key), None) or next(
+            (p for p in parsed if "${" in p.input_line), None)
+        where = blamed.input_line if blamed is not None else key
+        what = (getattr(err, "msg", None) or str(err)).splitlines()[0].strip()
+        env = re.search(r"Environment variable '([^']+)' not found", what)
+        if env:
+            fix = (f"set {env.group(1)} in the environment, or give a default: ${{oc.env:{env.group(1)},VALUE}}")
+        elif isinstance(err, GrammarParseError):
+            fix = "write an interpolation as ${key.path} or ${resolver:args}, or quote the value"
+        elif "Unsupported interpolation type" in what:
+            from omegaconf.basecontainer import BaseContainer
+
+            fix = f"known resolvers: {', '.join(sorted(BaseContainer._resolvers))}"
+        else:
+            found = re.search(r"key '([^']+)'", what)
+            near = nearest_key(found.group(1), cfg) if found else None
+            fix = f"name a key of the config{f' (did you mean ${{{near}}}?)' if near else ''}"
+        return f"{where}: cannot resolve {key or 'an interpolation'} ({what}); {fix}"
+    return None
+
+
+def _settings_error(source: Source, parsed: list[Any], base: list[str], unused: bool = True) -> str | None:
+    """One line for a run whose config has an interpolation that cannot be resolved, whose typed settings do not
+    parse, or that sets a key its other settings ignore."""
     from adazeta.errors import ConfigError
     from adazeta.settings import parse, unused_keys
 
@@ -418,20 +483,84 @@ def _settings_error(source: Source, parsed: list[Any], base: list[str]) -> str |
         cfg = source.compose(base)
     except Exception:
         return None
+    problem = _unresolved(cfg, parsed)
+    if problem:
+        return problem
     try:
         settings = parse(cfg)
     except ConfigError as err:
         return str(err)
     except Exception:  # not a user's mistake we can name here: the run reports it
         return None
-    unused = unused_keys(settings)
+    if not unused:
+        return None
+    ignored = unused_keys(settings)
     for p in parsed:
         if p.is_delete() or p.key_or_group.startswith("hydra"):
             continue
         path = p.package if p.package and source.is_group(p.key_or_group) else p.key_or_group
-        for key, why in unused.items():
+        for key, why in ignored.items():
             if path == key or path.startswith(key + "."):
                 return f"{p.input_line} is ignored: {why}"
+    return None
+
+
+MAX_CHECKED_POINTS = 256  # a longer sweep has its first points checked; the others fail in their job if they must
+
+
+def _check_points(source: Source, parser: Any, base: list[str], grid: list[tuple[str, list[str]]]
+                  ) -> tuple[list[tuple[str, list[str]]], list[str], list[str]]:
+    """The settings of every point of a sweep, checked as a single run's are: (the grid without the values whose
+    every point fails, one line per value left out, the lines that refuse the sweep when no point or not one value
+    is at fault)."""
+    import itertools
+
+    points = list(itertools.islice(itertools.product(*[[f"{k}={v}" for v in values] for k, values in grid]),
+                                   MAX_CHECKED_POINTS))
+    failed: dict[tuple[str, ...], str] = {}
+    for point in points:
+        lines = base + list(point)
+        parsed = [parser.parse_overrides([line])[0] for line in lines]
+        problem = _settings_error(source, parsed, lines, unused=False)
+        if problem:
+            failed[point] = problem
+    if not failed:
+        return grid, [], []
+    if len(failed) == len(points):  # nothing runs: the problem is the command's, not one value's
+        return grid, [], list(dict.fromkeys(failed.values()))
+    left_out, kept, bad = [], [], set()
+    for key, values in grid:
+        good = []
+        for value in values:
+            one = f"{key}={value}"
+            mine = [p for p in points if one in p]
+            if mine and all(p in failed for p in mine):  # this value is at fault: leave it out
+                left_out.append(f"{one}: {failed[mine[0]]}")
+                bad.add(one)
+            else:
+                good.append(value)
+        kept.append((key, good))
+    rest = [f"{' '.join(p)}: {why}" for p, why in failed.items() if not bad & set(p)]
+    if rest:  # points no single value explains: the sweep would fail them
+        return grid, [], rest
+    return kept, left_out, []
+
+
+def _config_tree(config_dir: str) -> str | None:
+    """One line when the config tree (``ADAZETA_CONFIG_DIR``, or the one shipped) is not a folder holding config.yaml."""
+    import os
+
+    from adazeta.paths import CONFIG_ENV
+
+    named = f"{CONFIG_ENV}={os.environ[CONFIG_ENV]}" if os.environ.get(CONFIG_ENV) else f"the config tree {config_dir}"
+    fix = f"point {CONFIG_ENV} at a conf/ folder holding config.yaml, or unset it to use the one shipped"
+    path = Path(config_dir)
+    if not path.exists():
+        return f"{named}: no such folder; {fix}"
+    if not path.is_dir():
+        return f"{named}: a file, not a folder; {fix}"
+    if not (path / "config.yaml").is_file():
+        return f"{named}: the folder holds no config.yaml; {fix}"
     return None
 
 
@@ -439,6 +568,9 @@ def check(argv: list[str], config_dir: str) -> Checked:
     """Read the flags, compose the overrides (each sweep value on its own) and report what would fail, one line each."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    problem = _config_tree(config_dir)
+    if problem:
+        return Checked(list(argv), errors=[problem])
     if any(a in HANDED_OVER for a in argv):
         return Checked(list(argv))
     ns, source, problem = read_flags(list(argv), config_dir)
@@ -492,6 +624,7 @@ def check(argv: list[str], config_dir: str) -> Checked:
         if problem:
             return Checked(list(argv), errors=[problem])
     new_overrides, dropped = list(overrides), []
+    grid: list[tuple[str, list[str]]] = []  # each swept key and the values that compose
     for sweep in sweeps:
         key = sweep.get_key_element()
         problem = _group_choice(source, sweep)
@@ -507,6 +640,16 @@ def check(argv: list[str], config_dir: str) -> Checked:
         if not good:
             return Checked(list(argv), errors=dropped)
         new_overrides[overrides.index(sweep.input_line)] = f"{key}={','.join(good)}"
+        grid.append((key, good))
+    if multirun and not ns.cfg and not ns.info:
+        # Every point the sweep will run, checked as a single run is: a bad value fails here, not in each job.
+        grid, left_out, errors = _check_points(source, parser, base, grid)
+        if errors:
+            return Checked(list(argv), errors=dropped + errors)
+        dropped += left_out
+        for key, good in grid:
+            line = next(o for o in new_overrides if o.split("=", 1)[0] == key)
+            new_overrides[new_overrides.index(line)] = f"{key}={','.join(good)}"
     if multirun and target is not None:
         # Resolved once, here, so that the jobs and the summary at the end agree on it (``${now:...}`` moves on).
         new_overrides = [a for a in new_overrides if not a.startswith("hydra.sweep.dir=")]

@@ -86,6 +86,16 @@ def _component(registry: Any, node: dict[str, Any] | None, where: str) -> Compon
     return Component(kind, make_config(entry.config_cls, values, where=f"{where} {kind!r}"))
 
 
+def _learning_rate(optimizer: Component | None) -> Component | None:
+    """Every optimizer's ``lr`` is > 0: at 0 no weight ever moves, and the run would only stall at its end."""
+    lr = getattr(optimizer.config, "lr", None) if optimizer is not None else None
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr <= 0:
+        raise ConfigError(f"method.optimizer.lr={lr!r} must be > 0: a learning rate of {lr!r} never moves a weight; "
+                          "set a positive rate (method.optimizer.lr=1e-4), or evaluate without training with "
+                          "method=zero_shot")
+    return optimizer
+
+
 # The blocks every composed config holds (conf/config.yaml and its groups); a missing one is a config's mistake.
 REQUIRED = ("seed", "model", "task", "schedule", "method", "train", "data", "divergence", "wandb")
 
@@ -122,7 +132,7 @@ def parse(cfg: DictConfig) -> Settings:
         model=make_config(ModelConfig, raw["model"], where="model"),
         task=make_config(TaskSpec, raw["task"], where="task"),
         adapter=_component(ADAPTERS, method.get("adapter") or {"kind": "none"}, "method.adapter"),
-        optimizer=_component(OPTIMIZERS, method.get("optimizer"), "method.optimizer"),
+        optimizer=_learning_rate(_component(OPTIMIZERS, method.get("optimizer"), "method.optimizer")),
         schedule=Component(schedule_name, SCHEDULES.config(schedule_name, schedule)),
         train=make_config(TrainConfig, raw["train"], where="train"),
         data=make_config(DataConfig, raw["data"], where="data"),

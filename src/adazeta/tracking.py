@@ -400,14 +400,32 @@ class EvalProgress:
                  _elapsed(time.monotonic() - self.started), loss, metric, score)
 
 
+def _wandb_host() -> str:
+    from urllib.parse import urlparse
+
+    return urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+
+
 def wandb_has_credentials() -> bool:
+    """An API key in the environment, or a ``wandb login`` entry for the W&B host in the netrc file."""
     if os.environ.get("WANDB_API_KEY"):
         return True
     netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
     try:
-        return "api.wandb.ai" in netrc.read_text()
+        return _wandb_host() in netrc.read_text()
     except OSError:
         return False
+
+
+def check_wandb(cfg: WandbConfig) -> None:
+    """Before the model loads: a run that must log online has credentials (wandb would refuse only after it)."""
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    online = cfg.mode == "online" or (cfg.mode == "auto" and env == "online")
+    if online and not wandb_has_credentials():
+        how = "wandb.mode=online" if cfg.mode == "online" else "WANDB_MODE=online"
+        raise ConfigError(f"{how} needs W&B credentials and none were found (WANDB_API_KEY, or {_wandb_host()} in "
+                          "~/.netrc); run `wandb login`, or log to files with wandb.mode=offline (wandb sync later) "
+                          "or not at all with wandb.mode=disabled")
 
 
 def missing_rows(path: Path, columns: list[str], keep_rows: int) -> str | None:

@@ -42,8 +42,8 @@ def _validate(
     where: str, lr: float, eps: float, weight_decay: float, reduction: str, estimator: str, noise: str = "per_tensor"
 ) -> None:
     """Fail at start-up, naming the field, its value and what is allowed."""
-    if lr < 0:
-        raise ConfigError(f"{where}lr={lr!r} must be >= 0")
+    if lr <= 0:
+        raise ConfigError(f"{where}lr={lr!r} must be > 0: a learning rate of {lr!r} never moves a weight")
     if eps <= 0:
         raise ConfigError(f"{where}eps={eps!r} must be > 0")
     if weight_decay < 0:

@@ -128,18 +128,43 @@ def local_files(
                 )
         files[split] = [root / name for name in names]
         for path in files[split]:
-            if not path.is_file():
+            problem = _not_a_file(path) if not path.is_file() else _not_plain_text(path)
+            if problem:
                 why = f"{needed_by}: " if needed_by else ""
-                raise ConfigError(f"{why}{_not_a_file(path)}: {path}; {hint}")
+                raise ConfigError(f"{why}{problem}: {path}; {hint}")
     if not all(files[s] for s in splits if s != "dev"):
         raise ConfigError(f"task {task.name!r}: local.train and local.eval must each name at least one file")
     return files
 
 
+# The first bytes of the compressed and archive formats a data file is often shipped in, and the way to open each.
+COMPRESSED = ((b"\x1f\x8b", "a gzip-compressed file", "gunzip it"), (b"BZh", "a bzip2-compressed file", "bunzip2 it"),
+              (b"\xfd7zXZ\x00", "an xz-compressed file", "unxz it"), (b"(\xb5/\xfd", "a zstd-compressed file", "unzstd it"),
+              (b"PK\x03\x04", "a zip archive", "unzip it"), (b"7z\xbc\xaf\x27\x1c", "a 7-zip archive", "extract it"))
+
+
+def _not_plain_text(path: Path) -> str | None:
+    """Why the regular file ``path`` cannot be read as a text data file (it is compressed, or an archive), or None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as err:
+        return f"an unreadable data file ({err.strerror or err})"
+    for magic, what, fix in COMPRESSED:
+        if head.startswith(magic):
+            return f"{what} where a plain-text data file should be ({fix} first, keeping the name the task reads)"
+    return None
+
+
 def _not_a_file(path: Path) -> str:
-    """Why ``path`` is not a readable data file, in a few words: missing, a folder, a broken or looping link."""
+    """Why ``path`` is not a readable data file, in a few words: missing, a folder, a named pipe, a socket or a
+    device (whose reads would block or never end), a broken or looping link."""
     if path.is_dir():
         return "a folder where a data file should be"
+    for test, what in ((path.is_fifo, "a named pipe (FIFO)"), (path.is_socket, "a socket"),
+                       (path.is_char_device, "a character device"), (path.is_block_device, "a block device")):
+        if test():
+            return f"{what} where a regular data file should be (copy the data into a file)"
     if path.is_symlink():
         try:
             path.resolve(strict=True)
