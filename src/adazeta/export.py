@@ -68,6 +68,8 @@ def export(run_dir: Path, out: Path) -> str:
 
     Everything is written to a hidden sibling folder first and renamed to ``out`` once complete: a failure leaves
     no ``out`` (or the empty one that was there), never a half-written one."""
+    from adazeta.saving import check_saved
+
     run_dir, out = Path(run_dir), Path(out)
     record_path = run_dir / "result.json"
     if not record_path.is_file():
@@ -78,6 +80,8 @@ def export(run_dir: Path, out: Path) -> str:
     if not whole.is_dir() and not (run_dir / "adapter").is_dir():
         raise ConfigError(f"{run_dir} kept no trained state (no adapter/ or model/): it ran with train.save=none, "
                           "or it is a full-parameter run without train.save_model=true")
+    if not whole.is_dir():
+        check_saved(run_dir / "adapter")  # before the base model loads
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
@@ -102,7 +106,10 @@ def _export_adapters(run_dir: Path, record_path: Path, folder: Path, out: Path) 
     from adazeta.settings import parse
 
     adapter = run_dir / "adapter"
-    config = json.loads(record_path.read_text()).get("config")
+    try:
+        config = json.loads(record_path.read_text()).get("config")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ConfigError(f"{record_path} is damaged ({type(err).__name__}); restore it from a copy") from None
     if not config:
         raise ConfigError(f"{record_path} records no config; it cannot name its base model")
     s = parse(OmegaConf.create(config))

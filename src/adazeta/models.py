@@ -306,13 +306,18 @@ def root_cause(err: BaseException) -> BaseException:
 
 
 def first_line(err: BaseException) -> str:
-    """An exception as one short line for a user-facing message: its type and the first line of its text."""
+    """An exception as one short line for a user-facing message: its type and the first line of its text; a first
+    line that only introduces a list (torch's "Error(s) in loading state_dict for X:") gives way to the list's
+    first entry, which holds the detail (the sizes that differ), and a count of the others."""
     text = str(err).strip()
     if not text:
         return type(err).__name__
-    line = text.splitlines()[0]
-    if len(line) > 200:  # cut at a sentence's or a word's end, never inside a word
-        cut = line[:200]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    line, limit = lines[0], 200
+    if line.endswith(":") and len(lines) > 1:
+        line, limit = lines[1] + (f" (and {len(lines) - 2} more like it)" if len(lines) > 2 else ""), 320
+    if len(line) > limit:  # cut at a sentence's or a word's end, never inside a word
+        cut = line[:limit]
         end = cut.rfind(". ")
         line = cut[:end + 1] if end >= 80 else cut.rsplit(" ", 1)[0] + " ..."
     return f"{type(err).__name__}: {line}"

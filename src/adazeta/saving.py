@@ -100,6 +100,49 @@ def save_adapters(model: nn.Module, folder: Path, kind: str, config: Any, base: 
     return folder
 
 
+def check_saved(folder: str | Path) -> None:
+    """Before any model loads: the saved adapters' JSON files parse and their safetensors files are whole (the
+    header parses and the file holds every byte it lists). ConfigError naming the file and the way out."""
+    folder = Path(folder)
+    fix = "restore the folder from a copy, or train the run again (force=true)"
+    for name in (ADAPTER_CONFIG, "adapter_config.json"):
+        path = folder / name
+        if path.is_file():
+            try:
+                if not isinstance(json.loads(path.read_text(encoding="utf-8")), dict):
+                    raise ValueError("not a JSON object")
+            except (OSError, ValueError) as err:
+                raise ConfigError(f"{path} is damaged ({type(err).__name__}: {str(err).splitlines()[0][:120]}); "
+                                  f"{fix}") from None
+    for name in (ADAPTER_WEIGHTS, HEAD_WEIGHTS):
+        path = folder / name
+        if name == ADAPTER_WEIGHTS and not path.is_file():
+            raise ConfigError(f"{folder} holds no {ADAPTER_WEIGHTS}, the adapters' weights; {fix}")
+        problem = _safetensors_problem(path) if path.is_file() else None
+        if problem:
+            raise ConfigError(f"{path} is damaged ({problem}); {fix}")
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """What makes ``path`` not a whole safetensors file (8-byte header length, JSON header, the data it lists)."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if length < 2 or 8 + length > size:
+                return f"{size:,} bytes: too short for its header"
+            header = json.loads(f.read(length))
+    except (OSError, ValueError) as err:
+        return f"its header does not parse: {type(err).__name__}"
+    ends = [entry["data_offsets"][1] for key, entry in header.items()
+            if key != "__metadata__" and isinstance(entry, dict) and len(entry.get("data_offsets", ())) == 2]
+    needed = 8 + length + max(ends, default=0)
+    if size < needed:
+        return f"truncated: {size:,} of its {needed:,} bytes"
+    return None
+
+
 def load_adapters(model: nn.Module, folder: str | Path) -> nn.Module:
     """Attach the adapters saved in ``folder`` to ``model`` (a plain ``transformers`` model) and load their weights.
 
@@ -112,14 +155,18 @@ def load_adapters(model: nn.Module, folder: str | Path) -> nn.Module:
     from adazeta.registry import make_config
 
     folder = Path(folder)
+    check_saved(folder)
     if (folder / "adapter_config.json").is_file():  # peft's LoRA folder
         from peft import PeftModel
 
         try:
             wrapped = PeftModel.from_pretrained(model, str(folder))
         except Exception as err:  # a base model without the adapted modules, or other shapes
-            raise ConfigError(f"cannot load the LoRA adapters of {folder} onto this model ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0][:200]}); load them onto the base model they were trained on") from None
+            from adazeta.models import first_line
+
+            raise ConfigError(f"cannot load the LoRA adapters of {folder} onto this model ({first_line(err)}); load "
+                              "them onto the base model they were trained on, with the adapter_config.json saved "
+                              "with them") from None
         if (folder / HEAD_WEIGHTS).is_file():
             load_into(wrapped, load_file(str(folder / HEAD_WEIGHTS)), folder / HEAD_WEIGHTS, untie=True)
         return wrapped

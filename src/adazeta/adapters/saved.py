@@ -35,9 +35,35 @@ def saved_folder(source: str) -> Path:
             return folder
     if not path.exists():
         raise ConfigError(f"eval.from={source}: no such folder; point it at a run directory or its adapter/ folder")
+    unfinished = _unfinished(path)
+    if unfinished:
+        raise ConfigError(f"eval.from={source} holds no saved adapters: {unfinished}")
     raise ConfigError(f"eval.from={source} holds no saved adapters (neither it nor {path / 'adapter'} has "
                       f"{ADAPTER_CONFIG} or peft's adapter_config.json); the run may have had train.save=none, or "
                       "trained the whole model (train.save_model=true writes model/: use it as model.path)")
+
+
+def _unfinished(run_dir: Path) -> str | None:
+    """Why a run directory without adapters has none because it did not end (interrupted, failed, still running),
+    and how to finish it; None for a run that ended, or a folder that holds no run."""
+    from adazeta.record import read_record, resume_hint
+    from adazeta.rundir import holder
+
+    who = holder(run_dir)
+    if who is not None:
+        return f"its run is still going ({who}); evaluate it once it has finished"
+    try:
+        record = read_record(run_dir)
+    except ConfigError:
+        record = None
+    status = (record or {}).get("status")
+    if status in ("interrupted", "failed"):
+        return (f"its run was {status} before it saved them ({record.get('reason') or 'no reason recorded'}); "
+                f"{resume_hint(record)} (its .hydra/overrides.yaml), then evaluate it")
+    if record is None and (run_dir / "checkpoint.pt").is_file():
+        return ("its run was stopped before it saved them (a checkpoint and no record: it was killed); run the same "
+                "command again (its .hydra/overrides.yaml) to resume it, then evaluate it")
+    return None
 
 
 @dataclass
@@ -52,7 +78,9 @@ class SavedConfig(AdapterCapabilities):
     def check_ready(self) -> None:
         if not self.source:
             raise ConfigError("method=eval needs eval.from=<run directory or its adapter/ folder>")
-        saved_folder(self.source)  # checked before any model loads
+        from adazeta.saving import check_saved
+
+        check_saved(saved_folder(self.source))  # checked before any model loads: there, and whole
 
 
 @ADAPTERS.register("saved", SavedConfig)
