@@ -22,12 +22,29 @@ Exit status (README, "Bad input costs one line"):
 
 from __future__ import annotations
 
-import logging
+import errno
 import os
 import signal
 import sys
-from pathlib import Path
-from typing import Any
+
+STARTUP_INTERRUPTED = ("adazeta-run: interrupted (SIGINT) during start-up, before the run began: nothing was recorded; "
+                       "run the command again")
+
+
+def _interrupted_while_importing(signum: int, frame: Any) -> None:
+    """Ctrl-C while the command's modules import: one line, not the traceback of whatever was importing."""
+    print(STARTUP_INTERRUPTED, file=sys.stderr, flush=True)
+    os._exit(128 + signum)  # nothing is written yet: nothing to clean up
+
+
+_COMMAND = __name__ == "__main__" or os.path.basename(sys.argv[0]) == "adazeta-run"  # not a library import (tests)
+if _COMMAND and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_while_importing)  # main() takes Ctrl-C over once imports are done
+
+import contextlib  # noqa: E402  (after the Ctrl-C handler: these imports take seconds)
+import logging  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 if int(os.environ.get("WORLD_SIZE", "1")) > 1:
     # One of several processes (torchrun relays a Ctrl-C to every rank): a Ctrl-C while the modules below load
@@ -44,7 +61,7 @@ from adazeta.errors import ConfigError, PeerError
 from adazeta.overrides import check
 from adazeta.paths import CONFIG_ENV, config_dir  # noqa: F401  (CONFIG_ENV re-exported)
 from adazeta.record import main_score, resume_hint
-from adazeta.rundir import Interrupted, PeerLost, received_signal
+from adazeta.rundir import Interrupted, PeerLost, claim, received_signal
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def _main(cfg: DictConfig) -> float | None:
@@ -233,8 +250,66 @@ def start_up_signals(rank: int) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+class _QuietStdout:
+    """stdout that survives its reader: a closed pipe (``adazeta-run ... | head -n 1``) or a full device
+    (``> /dev/full``) costs at most one line on stderr instead of a logging error per log line; the run goes on and
+    writes its files as usual, and what it prints after that is dropped."""
+
+    LOST = {errno.EPIPE: None, errno.ENOSPC: "no space left on the device it writes to"}
+
+    def __init__(self, stream: Any):
+        self._stream, self._lost = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._lost:
+            try:
+                return self._stream.write(text)
+            except OSError as err:
+                self._lose(err)
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._lost:
+            try:
+                self._stream.flush()
+            except OSError as err:
+                self._lose(err)
+
+    def _lose(self, err: OSError) -> None:
+        if err.errno not in self.LOST:
+            raise err
+        self._lost = True
+        try:  # what the stream still buffers goes nowhere, at exit too
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+        if self.LOST[err.errno]:
+            print(f"adazeta-run: stdout: {self.LOST[err.errno]}; the console output is dropped from here, the run's "
+                  "files are written as usual", file=sys.stderr)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main() -> None:
-    """Check the overrides (one line and exit 2 for a mistake), run, and sum up a sweep's failed points."""
+    """Check the overrides (one line and exit 2 for a mistake), run, and sum up a sweep's failed points. Ctrl-C
+    before the run begins (its directory claimed, its signals handled: ``adazeta.rundir.StopSignals``) is one line
+    and exit status 130."""
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if sys.stdout is not None and not isinstance(sys.stdout, _QuietStdout):
+        sys.stdout = _QuietStdout(sys.stdout)  # before Hydra points its console log at sys.stdout
+    try:
+        _checked_main()
+    except KeyboardInterrupt:
+        remove_unused_run_dir()  # Hydra may have made the run's folder: it holds nothing yet
+        print(STARTUP_INTERRUPTED, file=sys.stderr)
+        sys.exit(128 + signal.SIGINT.value)
+
+
+def _checked_main() -> None:
     from adazeta.distributed import launch_env
 
     where = launch_env()
@@ -278,14 +353,21 @@ def _main_checked(where: tuple[int, int, int] | None) -> None:
     for line in checked.dropped:
         print(f"adazeta-run: error: {line} (left out of the sweep; the other values run)", file=sys.stderr)
     report = checked.sweep_dir / FAILURES if checked.sweep_dir else None
-    if report is not None:
-        report.unlink(missing_ok=True)  # an earlier sweep's report: this sweep writes its own
-    sys.argv = [sys.argv[0], *checked.argv]
-    try:
-        _main()
-    finally:
-        remove_unused_run_dir()  # a dry run, or a run refused at its start: no folder with an empty log
-    failed = report.read_text(encoding="utf-8").splitlines() if report is not None and report.is_file() else []
+    with contextlib.ExitStack() as held:
+        if checked.sweep_dir is not None:
+            try:  # a second copy of this sweep would take the first one's points for failed ones, and its report
+                held.enter_context(claim(checked.sweep_dir, sweep=True))
+            except ConfigError as err:
+                print(f"adazeta-run: error: {err}", file=sys.stderr)
+                sys.exit(2)
+        if report is not None:
+            report.unlink(missing_ok=True)  # an earlier sweep's report: this sweep writes its own
+        sys.argv = [sys.argv[0], *checked.argv]
+        try:
+            _main()
+        finally:
+            remove_unused_run_dir()  # a dry run, or a run refused at its start: no folder with an empty log
+        failed = report.read_text(encoding="utf-8").splitlines() if report is not None and report.is_file() else []
     if checked.dropped or failed:
         print(f"adazeta-run: {len(checked.dropped) + len(failed)} sweep point(s) did not run to a result:",
               file=sys.stderr)

@@ -106,20 +106,25 @@ def _lock(fd: int, kind: int) -> bool:
     return True
 
 
+SWEEP_LOCK_NAME = ".sweep.lock"  # a sweep's own: its points' run directories may include the sweep directory
+
+
 @contextmanager
-def claim(run_dir: Path) -> Iterator[None]:
-    """Hold ``run_dir`` exclusively for the duration; ConfigError if another live process holds it."""
+def claim(run_dir: Path, sweep: bool = False) -> Iterator[None]:
+    """Hold ``run_dir`` (``sweep``: a sweep's directory) exclusively for the duration; ConfigError if another live
+    process holds it."""
+    what, key = ("sweep", "hydra.sweep.dir") if sweep else ("run", "hydra.run.dir")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / LOCK_NAME
+        path = run_dir / (SWEEP_LOCK_NAME if sweep else LOCK_NAME)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as err:
-        raise ConfigError(f"cannot write the run directory {run_dir}: {err.strerror}; choose another hydra.run.dir")
+        raise ConfigError(f"cannot write the {what} directory {run_dir}: {err.strerror}; choose another {key}")
     try:
         if not _lock(fd, fcntl.LOCK_EX):
             raise ConfigError(
-                f"run directory {run_dir} is in use by another run ({_owner(path)}); wait for it to end "
-                "or choose another hydra.run.dir"
+                f"{what} directory {run_dir} is in use by another {what} ({_owner(path)}); wait for it to end "
+                f"or choose another {key}"
             ) from None
         previous = _owner(path)
         if previous != "unknown":

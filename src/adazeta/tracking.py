@@ -15,6 +15,7 @@ import os
 import resource
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,10 +243,31 @@ def show_progress() -> bool:
             and os.environ.get("RANK", "0") == "0")  # several processes: rank 0 shows the run's progress
 
 
+# Warnings the libraries below a run raise about their own internals, which a user of adazeta cannot act on (the
+# call that triggers them is ours or another library's): (category, message regex, warning module regex). Shown
+# with verbose=true; add one here, at its source, rather than filtering warnings anywhere else.
+THIRD_PARTY_WARNINGS = (
+    # transformers 4.5x renamed it; peft (LoRA) still asks for the old name on every run.
+    (FutureWarning, r"`is_gradient_checkpointing` is deprecated", r"transformers(\.|$)"),
+    # peft sets fan_in_fan_out itself for the module types that need it, and says so.
+    (UserWarning, r"fan_in_fan_out is set to", r"peft(\.|$)"),
+)
+
+
+def quiet_warnings(verbose: bool) -> None:
+    """The ``THIRD_PARTY_WARNINGS`` filters: ignored, or shown (Python's default: once per place) if verbose."""
+    for category, message, module in THIRD_PARTY_WARNINGS:
+        warnings.filterwarnings("default" if verbose else "ignore", message=message, category=category,
+                                module=module)
+
+
 def quiet_third_party(verbose: bool) -> None:
-    """Progress bars and chatter of transformers (GGUF conversion, downloads) and datasets: on only if verbose."""
+    """Progress bars, chatter and internal warnings of transformers (GGUF conversion, downloads), peft and
+    datasets: on only if verbose."""
     import datasets
     from transformers.utils import logging as hf_logging
+
+    quiet_warnings(verbose)
 
     if verbose:
         hf_logging.enable_progress_bar()
