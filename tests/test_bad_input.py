@@ -153,7 +153,68 @@ def test_a_sweep_whose_point_fails_exits_non_zero(fixture_data, tmp_path, monkey
             "method.optimizer.lr=1e-3,-1", f"hydra.sweep.dir={tmp_path}"]
     code, err = run_cli(monkeypatch, capsys, args)
     assert code != 0
-    assert "sweep point(s) did not run to a result" in err and "must be >= 0" in err
+    assert "sweep point(s) did not run to a result" in err and "must be > 0" in err
+
+
+def test_a_sweep_whose_every_point_has_a_bad_setting_is_one_line_and_exit_2(fixture_data, tmp_path, monkeypatch,
+                                                                             capsys):
+    """Each point of a sweep is checked as a single run is, before any job starts: a setting every point shares
+    is one line (not one failed job per point), exit 2, and no point's folder."""
+    args = ["-m", *tiny_overrides(fixture_data), "seed=0,1", "method.optimizer.lr=abc",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    code, err = run_cli(monkeypatch, capsys, args)
+    assert code == 2 and err.strip().splitlines() == ["adazeta-run: error: method.optimizer.lr='abc' must be a number"]
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_a_sweep_value_whose_points_have_a_bad_setting_is_left_out_before_any_job(fixture_data, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """A swept value every point of which fails its settings (here an unresolvable interpolation) is left out with
+    one line; the other values run."""
+    args = ["-m", *tiny_overrides(fixture_data, "train.max_steps=1"), "seed=0,${nosuch.key}",
+            f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=${hydra.job.num}"]
+    code, err = run_cli(monkeypatch, capsys, args)
+    assert code == 2, err
+    assert "adazeta-run: error: seed=${nosuch.key}: cannot resolve seed (Interpolation key" in err, err
+    assert (tmp_path / "0" / "result.json").is_file() and not (tmp_path / "1").exists()
+
+
+def test_wandb_online_without_credentials_stops_before_the_model_loads(fixture_data, tmp_path, monkeypatch, capsys):
+    """wandb itself refuses only once the model has loaded; checked first, in one line with the ways out."""
+    import adazeta.build as build_module
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setattr(build_module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    for setting in (["wandb.mode=online"], ["wandb.mode=auto"]):
+        monkeypatch.setenv("WANDB_MODE", "online")
+        args = [*tiny_overrides(fixture_data), *setting, f"hydra.run.dir={tmp_path / 'run'}"]
+        code, err = run_cli(monkeypatch, capsys, args)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, err
+        assert "needs W&B credentials and none were found" in lines[0] and "wandb.mode=offline" in lines[0], err
+    assert not (tmp_path / "run" / "result.json").exists()
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_library_warnings_about_their_own_internals_show_only_with_verbose(verbose, fixture_data, tmp_path,
+                                                                          monkeypatch, capsys):
+    """A LoRA run (peft over transformers) raises transformers' is_gradient_checkpointing FutureWarning: filtered
+    at its source (adazeta.tracking.THIRD_PARTY_WARNINGS) by default, shown with verbose=true."""
+    import warnings
+
+    from adazeta.tracking import THIRD_PARTY_WARNINGS
+
+    args = [*tiny_overrides(fixture_data, "train.max_steps=1"), "method=mezo_lora", f"verbose={str(verbose).lower()}",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # what a run would show, were it not for its own filters
+        monkeypatch.setattr(sys, "argv", ["adazeta-run", *args])
+        cli.main()
+    theirs = [w for w in caught if any(isinstance(w.message, category) and __import__("re").search(message, str(
+        w.message)) for category, message, _ in THIRD_PARTY_WARNINGS)]
+    assert (tmp_path / "run" / "result.json").is_file()
+    assert bool(theirs) == verbose, [str(w.message) for w in caught]
 
 
 # --- data files: every row is read and checked before the model loads ------------------------------------------
@@ -297,3 +358,16 @@ def test_a_long_library_error_is_cut_at_a_sentence_or_word_end():
     words = ValueError("word " * 60)
     assert first_line(words).endswith("word ...") and len(first_line(words)) < 220
     assert first_line(KeyError()) == "KeyError"
+
+
+def test_a_library_error_that_introduces_a_list_keeps_its_first_entry_with_the_detail():
+    """torch's "Error(s) in loading state_dict for X:" says nothing by itself: the first entry (the sizes that
+    differ) is the line, with a count of the others."""
+    from adazeta.models import first_line
+
+    entry = ("size mismatch for base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight: copying a "
+             "param with shape torch.Size([5, 32]) from checkpoint, the shape in current model is torch.Size([8, 32]).")
+    err = RuntimeError(f"Error(s) in loading state_dict for PeftModel:\n\t{entry}\n\t{entry}\n\t{entry}")
+    assert first_line(err) == f"RuntimeError: {entry} (and 2 more like it)"
+    assert first_line(RuntimeError(f"Error(s) in loading state_dict for PeftModel:\n\t{entry}")) == \
+        f"RuntimeError: {entry}"

@@ -88,6 +88,25 @@ CASES = [
     (["--experimental-rerun", "config.pickle"], [], "adazeta-run keeps no config pickle"),
     (["--config-path", "/elsewhere"], [], "set ADAZETA_CONFIG_DIR=/elsewhere"),
     (["--config-dir", "/nonexistent/conf"], [], "--config-dir /nonexistent/conf: no such folder"),
+    # an interpolation that cannot be resolved: a key that is not there, an unset variable, an unknown resolver
+    ([], ["seed=${nosuch.key}"], "seed=${nosuch.key}: cannot resolve seed (Interpolation key 'nosuch.key' not found)"),
+    ([], ["train.batch_size=${train.batch_sise}"], "did you mean ${train.batch_size}?"),
+    ([], ["seed=${oc.env:ADAZETA_TEST_UNSET}"], "set ADAZETA_TEST_UNSET in the environment, or give a default: "
+                                                "${oc.env:ADAZETA_TEST_UNSET,VALUE}"),
+    ([], ["seed=${nosuch:x}"], "(Unsupported interpolation type nosuch); known resolvers: "),
+    ([], ["seed=${oops"], "seed=${oops: mismatched input"),  # refused by the override parser itself
+    # a Hydra group's option (its own groups and its plugins' are no files in conf/)
+    ([], ["hydra/launcher=joblb"], "hydra/launcher has no option 'joblb'; known: basic, joblib, submitit_local, "
+                                   "submitit_slurm; did you mean 'joblib'?"),
+    ([], ["hydra/sweeper=basik"], "hydra/sweeper has no option 'basik'; known: basic"),
+    # a run directory the process cannot create, even as root (os.access says yes to root)
+    ([], ["hydra.run.dir=/proc/adazeta-run"], "cannot write the run directory: cannot create a folder in /proc"),
+    # a learning rate that never moves a weight, for every optimizer
+    ([], ["method.optimizer.lr=0"], "method.optimizer.lr=0.0 must be > 0: a learning rate of 0.0 never moves"),
+    ([], ["method=lora", "method.optimizer.lr=0"], "method.optimizer.lr=0.0 must be > 0"),
+    ([], ["optimizer@method.optimizer=zo_adam", "method.optimizer.lr=0"], "method.optimizer.lr=0.0 must be > 0"),
+    ([], ["optimizer@method.optimizer=es", "method.optimizer.lr=0"], "method.optimizer.lr=0.0 must be > 0"),
+    ([], ["method=mezo", "method.optimizer.lr=-1e-6"], "method.optimizer.lr=-1e-06 must be > 0"),
 ]
 
 
@@ -224,3 +243,21 @@ def test_a_hub_that_cannot_be_reached_is_one_line_naming_the_model_and_the_local
     with pytest.raises(ConfigError, match=r"cannot load model org/no-such-model from the Hugging Face Hub \(OSError: "
                                           r"We couldn't connect.*\); .*model.model_dir=<folder> or ADAZETA_MODEL_DIR"):
         models.load_model(cfg)
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda p: p, "ADAZETA_CONFIG_DIR={}: no such folder; point ADAZETA_CONFIG_DIR at a conf/ folder"),
+    (lambda p: (p.write_text("x"), p)[1], "ADAZETA_CONFIG_DIR={}: a file, not a folder"),
+    (lambda p: p.mkdir() or p, "ADAZETA_CONFIG_DIR={}: the folder holds no config.yaml"),
+], ids=["missing", "file", "empty-folder"])
+def test_a_config_tree_that_is_not_one_is_one_line(make, message, fixture_data, tmp_path, monkeypatch, capsys):
+    """ADAZETA_CONFIG_DIR is read before any flag or override: a path that holds no config tree is one line, for a
+    run and for --help alike."""
+    tree = make(tmp_path / "conf")
+    monkeypatch.setenv("ADAZETA_CONFIG_DIR", str(tree))
+    for args in ([*tiny_overrides(fixture_data), f"hydra.run.dir={tmp_path / 'run'}"], ["--help"]):
+        code, _, err = run_cli(monkeypatch, capsys, args)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, err
+        assert lines[0].startswith(f"adazeta-run: error: {message.format(tree)}"), err
+    assert not (tmp_path / "run").exists()

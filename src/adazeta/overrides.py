@@ -454,7 +454,7 @@ def _unresolved(cfg: Any, parsed: list[Any]) -> str | None:
         key = str(getattr(err, "full_key", "") or "")
         blamed = next((p for p in parsed if p.key_or_group == key), None) or next(
             (p for p in parsed if "${" in p.input_line), None)
-        where = blamed.input_line if blamed is not None else key
+        where = _unescaped(blamed.input_line) if blamed is not None else key
         what = (getattr(err, "msg", None) or str(err)).splitlines()[0].strip()
         env = re.search(r"Environment variable '([^']+)' not found", what)
         if env:
@@ -505,6 +505,12 @@ def _settings_error(source: Source, parsed: list[Any], base: list[str], unused: 
     return None
 
 
+def _unescaped(override: str) -> str:
+    """An override as the user typed it: a sweep's values come back from Hydra's parser with ``\\`` before
+    ``$``, ``{``, ``}`` and other special characters."""
+    return re.sub(r"\\(.)", r"\1", override)
+
+
 MAX_CHECKED_POINTS = 256  # a longer sweep has its first points checked; the others fail in their job if they must
 
 
@@ -535,12 +541,13 @@ def _check_points(source: Source, parser: Any, base: list[str], grid: list[tuple
             one = f"{key}={value}"
             mine = [p for p in points if one in p]
             if mine and all(p in failed for p in mine):  # this value is at fault: leave it out
-                left_out.append(f"{one}: {failed[mine[0]]}")
+                shown, why = _unescaped(one), failed[mine[0]]
+                left_out.append(why if why.startswith(f"{shown}: ") else f"{shown}: {why}")
                 bad.add(one)
             else:
                 good.append(value)
         kept.append((key, good))
-    rest = [f"{' '.join(p)}: {why}" for p, why in failed.items() if not bad & set(p)]
+    rest = [f"{_unescaped(' '.join(p))}: {why}" for p, why in failed.items() if not bad & set(p)]
     if rest:  # points no single value explains: the sweep would fail them
         return grid, [], rest
     return kept, left_out, []
