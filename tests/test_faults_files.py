@@ -122,11 +122,28 @@ def rte_train(data_dir):
     return data_dir / "superglue" / "RTE" / "train.jsonl"
 
 
+def _compress(path, how):
+    import bz2
+    import gzip
+    import zipfile
+
+    rows = (path.parent / "val.jsonl").read_bytes()
+    if how == "zip":
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("train.jsonl", rows)
+    else:
+        path.write_bytes({"gzip": gzip.compress, "bzip2": bz2.compress}[how](rows))
+
+
 @pytest.mark.parametrize("make,message", [
     (lambda p: p.mkdir(), "a folder where a data file should be"),
+    (lambda p: os.mkfifo(p), "a named pipe (FIFO) where a regular data file should be"),
+    (lambda p: _compress(p, "gzip"), "a gzip-compressed file where a plain-text data file should be (gunzip it"),
+    (lambda p: _compress(p, "bzip2"), "a bzip2-compressed file where a plain-text data file should be"),
+    (lambda p: _compress(p, "zip"), "a zip archive where a plain-text data file should be (unzip it"),
     (lambda p: os.symlink(p, p), "a symlink loop where a data file should be"),
     (lambda p: os.symlink(p.parent / "gone.jsonl", p), "a broken symlink where a data file should be"),
-], ids=["folder", "loop", "broken-link"])
+], ids=["folder", "fifo", "gzip", "bzip2", "zip", "loop", "broken-link"])
 def test_a_data_path_that_is_not_a_file_says_what_it_is(make, message, fixture_data, tmp_path, monkeypatch, capsys):
     path = rte_train(fixture_data)
     path.unlink()
@@ -143,3 +160,110 @@ def test_a_field_longer_than_the_csv_modules_default_limit_loads(tmp_path):
     path.write_text(f"sentence\tlabel\n{long}\t1\nshort\t0\n", encoding="utf-8")
     rows = read_table(path, ["sentence", "label"])
     assert [len(r["sentence"]) for r in rows] == [len(long), 5]
+
+
+# --- saved adapters (method=eval eval.from=..., python -m adazeta.export) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory):
+    """Run directories of a tiny LoRA run (peft's folder) and a tiny TT run (adazeta's), each with its adapter/."""
+    from adazeta.run import run
+    from helpers import compose_cfg, write_fixture_data
+
+    root = tmp_path_factory.mktemp("saved")
+    data = write_fixture_data(root / "data")
+    runs = {}
+    for method in ("mezo_lora", "adazeta"):
+        runs[method] = root / method
+        run(compose_cfg(tiny_overrides(data, f"method={method}", "train.max_steps=1")), runs[method])
+        assert (runs[method] / "adapter" / "adapter_model.safetensors").is_file()
+    return runs
+
+
+def damaged_copy(run_dir, tmp_path, name, damage):
+    import shutil
+
+    copy = tmp_path / "damaged"
+    shutil.copytree(run_dir, copy)
+    path = copy / "adapter" / name
+    path.write_bytes(damage(path.read_bytes()))
+    return copy
+
+
+def export_cli(monkeypatch, capsys, args):
+    from adazeta import export
+
+    with pytest.raises(SystemExit) as exit_info:
+        export.main(args)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+DAMAGES = [
+    ("mezo_lora", "adapter_model.safetensors", lambda b: b[: len(b) // 2], "is damaged (truncated: "),
+    ("adazeta", "adapter_model.safetensors", lambda b: b[: len(b) // 2], "is damaged (truncated: "),
+    ("adazeta", "adapter_model.safetensors", lambda b: b[:4], "is damaged (4 bytes: too short for its header)"),
+    ("adazeta", "adapter_model.safetensors", lambda b: b[:8] + b"{not json" + b[17:], "its header does not parse"),
+    ("adazeta", "adazeta_adapter.json", lambda b: b[: len(b) // 3], "adazeta_adapter.json is damaged (JSONDecodeError"),
+    ("mezo_lora", "adapter_config.json", lambda b: b"[1, 2]", "adapter_config.json is damaged (ValueError: not a JSON"),
+]
+
+
+@pytest.mark.parametrize("method,name,damage,message", DAMAGES,
+                         ids=["lora-cut", "tt-cut", "tt-stub", "tt-header", "tt-json", "lora-json"])
+def test_damaged_saved_adapters_are_one_line_before_the_model_loads(method, name, damage, message, saved_runs,
+                                                                    fixture_data, tmp_path, monkeypatch, capsys):
+    """Under method=eval and under the export, a cut or corrupt weights file, or an adapter config that is not a
+    JSON object, is named with the way out before any model loads; the damaged folder is left as it was."""
+    import adazeta.build as build_module
+    import adazeta.models as models_module
+
+    source = damaged_copy(saved_runs[method], tmp_path, name, damage)
+    before = (source / "adapter" / name).read_bytes()
+    monkeypatch.setattr(build_module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(models_module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    args = [*tiny_overrides(fixture_data), "method=eval", f"eval.from={source}", f"hydra.run.dir={tmp_path / 'run'}"]
+    code, err = run_cli(monkeypatch, capsys, args)
+    one_line(code, err, message)
+    assert "restore the folder from a copy" in err and str(source / "adapter" / name) in err
+    code, err = export_cli(monkeypatch, capsys, [str(source), str(tmp_path / "out")])
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+    assert err.startswith("adazeta.export: error: ") and not (tmp_path / "out").exists()
+    assert (source / "adapter" / name).read_bytes() == before
+
+
+def test_a_lora_rank_other_than_the_saved_weights_keeps_the_sizes_in_its_line(saved_runs, fixture_data, tmp_path,
+                                                                              monkeypatch, capsys):
+    """An adapter_config.json whose rank differs from its weights': peft's error lists every tensor under a header
+    line; the line keeps the first tensor's two sizes."""
+    def other_rank(text):
+        config = json.loads(text)
+        config["r"] = config["r"] + 3
+        return json.dumps(config).encode()
+
+    source = damaged_copy(saved_runs["mezo_lora"], tmp_path, "adapter_config.json", other_rank)
+    args = [*tiny_overrides(fixture_data), "method=eval", f"eval.from={source}", f"hydra.run.dir={tmp_path / 'run'}"]
+    code, err = run_cli(monkeypatch, capsys, args)
+    one_line(code, err, "cannot load the LoRA adapters of")
+    assert "size mismatch for " in err and "torch.Size([5, " in err and "torch.Size([8, " in err, err
+    assert "more like it" in err
+
+
+@pytest.mark.parametrize("status", ["interrupted", "failed"])
+def test_eval_from_a_run_that_did_not_end_says_so_and_how_to_resume(status, saved_runs, fixture_data, tmp_path,
+                                                                     monkeypatch, capsys):
+    """A run stopped before it saved its adapters is not a run "with train.save=none": the line names its status,
+    its reason and the step the same command resumes from."""
+    import shutil
+
+    source = tmp_path / "stopped"
+    shutil.copytree(saved_runs["adazeta"], source)
+    shutil.rmtree(source / "adapter")
+    record = json.loads((source / "result.json").read_text())
+    record.update(status=status, reason="SIGTERM at step 1", checkpoint_step=1)
+    (source / "result.json").write_text(json.dumps(record))
+    args = [*tiny_overrides(fixture_data), "method=eval", f"eval.from={source}", f"hydra.run.dir={tmp_path / 'run'}"]
+    code, err = run_cli(monkeypatch, capsys, args)
+    one_line(code, err, f"holds no saved adapters: its run was {status} before it saved them (SIGTERM at step 1); "
+                        "run the same command again to resume from its checkpoint at step 1")
+    assert "train.save=none" not in err
