@@ -537,3 +537,91 @@ def test_a_hung_rank_is_named_after_the_collective_timeout(runs, tmp_path):
     assert got["status"] == "failed" and waited >= 10
     assert f"rank 1 (pid {victim} on " in got["reason"]
     assert "did not answer within distributed.timeout_s=10" in got["reason"], got["reason"]
+
+
+# --- the command around a run: Ctrl-C before it begins, a lost stdout, a sweep started twice ------------------------
+
+
+@pytest.mark.parametrize("where", ["check", "settings"])
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(where, fixture_data, tmp_path, monkeypatch, capsys):
+    """Ctrl-C before the run begins (the command line being checked, or the settings parsed once Hydra made the
+    folder): one line, exit 130, no traceback, and no run folder left behind."""
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(*((cli, "check") if where == "check" else (run_module, "parse")), interrupt)
+    run_dir = tmp_path / "run"
+    code, err = run_cli(monkeypatch, capsys, fixture_data, run_dir)
+    assert code == 128 + signal.SIGINT, err
+    assert err.strip().splitlines() == [cli.STARTUP_INTERRUPTED], err
+    assert not run_dir.exists()
+
+
+def command_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def test_a_real_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(fixture_data, tmp_path):
+    """SIGINT a second after the command starts, while its modules import: the same line, not the traceback of
+    whichever import it stopped."""
+    proc = subprocess.Popen([sys.executable, "-m", "adazeta.cli", *overrides(fixture_data),
+                             f"hydra.run.dir={tmp_path / 'run'}"], env=command_env(), stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert err.strip().splitlines() == [cli.STARTUP_INTERRUPTED], err
+    assert not (tmp_path / "run" / "result.json").exists()
+
+
+@pytest.mark.parametrize("stdout", ["closed-pipe", "full-device"])
+def test_a_stdout_that_is_closed_or_full_costs_at_most_one_line_and_the_run_goes_on(stdout, fixture_data, tmp_path):
+    """``adazeta-run ... | head -n 1`` and ``> /dev/full``: the run finishes and is recorded, exit 0, and stderr
+    holds no logging error (one line for a full device; nothing for a reader that left)."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "adazeta.cli", *overrides(fixture_data, "train.max_steps=2"),
+            f"hydra.run.dir={run_dir}"]
+    if stdout == "closed-pipe":
+        proc = subprocess.Popen(args, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.readline()  # `head -n 1`: one line, then the pipe closes
+        proc.stdout.close()
+        err = proc.stderr.read()
+        proc.wait(timeout=300)
+    else:
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run(args, env=command_env(), stdout=full, stderr=subprocess.PIPE, text=True,
+                                  timeout=300)
+        err = proc.stderr
+    assert proc.returncode == 0, err
+    assert "Logging error" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+    expected = [] if stdout == "closed-pipe" else ["adazeta-run: stdout: no space left on the device it writes to; "
+                                                   "the console output is dropped from here, the run's files are "
+                                                   "written as usual"]
+    assert err.strip().splitlines() == expected, err
+    assert record(run_dir)["status"] == "finished"
+
+
+def test_a_second_copy_of_a_running_sweep_is_refused_and_leaves_the_first_ones_report(fixture_data, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """Two copies of one sweep in one folder: the second would find every point's run directory in use and report
+    them failed, in the first's report. It is refused in one line, exit 2, and touches nothing there."""
+    from adazeta.rundir import claim
+
+    sweep_dir = tmp_path / "sweep"
+    sweep_dir.mkdir()
+    report = sweep_dir / cli.FAILURES
+    report.write_text("seed=3: the first sweep's own line\n")
+    monkeypatch.setattr(sys, "argv", ["adazeta-run", "-m", *overrides(fixture_data), "seed=0,1",
+                                      f"hydra.sweep.dir={sweep_dir}"])
+    with claim(sweep_dir, sweep=True):  # the first copy, still running
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert one_line(err).startswith(f"adazeta-run: error: sweep directory {sweep_dir} is in use by another sweep (pid "
+                                    f"{os.getpid()} "), err
+    assert report.read_text() == "seed=3: the first sweep's own line\n"
+    assert sorted(p.name for p in sweep_dir.iterdir()) == [".sweep.lock", cli.FAILURES]
