@@ -14,10 +14,11 @@ Exit status (README, "Bad input costs one line"):
 
     0        the run finished, diverged or stalled (a result), was skipped as already done, or --help / --cfg printed
     1        the run failed (an error in the run itself, or a write that failed); a sweep with a failed point
-    2        usage: a bad flag, override or value, a missing file, a refused run directory: one line on stderr,
-             no run starts; a sweep that left out values that could not compose
+    2        usage: a bad flag, override or value, a missing file, a refused run or sweep directory: one line on
+             stderr, no run starts; a sweep that left out values that could not compose or whose points all fail
     128 + n  stopped by signal n (SIGHUP: 129, SIGINT: 130, SIGUSR1: 138, SIGUSR2: 140, SIGTERM: 143): recorded;
-             the last line says whether, and from which step, the same command resumes
+             the last line says whether, and from which step, the same command resumes (Ctrl-C before the run
+             began: 130, one line, nothing recorded)
 """
 
 from __future__ import annotations
@@ -297,7 +298,8 @@ def main() -> None:
     """Check the overrides (one line and exit 2 for a mistake), run, and sum up a sweep's failed points. Ctrl-C
     before the run begins (its directory claimed, its signals handled: ``adazeta.rundir.StopSignals``) is one line
     and exit status 130."""
-    if signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
+    # By name: under `python -m adazeta.cli` the handler was installed by the module run as __main__.
+    if getattr(signal.getsignal(signal.SIGINT), "__name__", None) == _interrupted_while_importing.__name__:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if sys.stdout is not None and not isinstance(sys.stdout, _QuietStdout):
         sys.stdout = _QuietStdout(sys.stdout)  # before Hydra points its console log at sys.stdout

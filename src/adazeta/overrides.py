@@ -511,6 +511,17 @@ def _unescaped(override: str) -> str:
     return re.sub(r"\\(.)", r"\1", override)
 
 
+def _sweeper_params(source: Source, base: list[str]) -> bool:
+    """Whether the config's sweeper adds a grid of its own (``hydra.sweeper.params``: an experiment's sweep)."""
+    from omegaconf import OmegaConf
+
+    try:
+        sweeper = OmegaConf.to_container(source.compose(base, hydra=True).hydra.sweeper, resolve=False)
+    except Exception:
+        return True  # unknown: leave the points to the jobs
+    return bool(sweeper.get("params"))
+
+
 MAX_CHECKED_POINTS = 256  # a longer sweep has its first points checked; the others fail in their job if they must
 
 
@@ -648,8 +659,9 @@ def check(argv: list[str], config_dir: str) -> Checked:
             return Checked(list(argv), errors=dropped)
         new_overrides[overrides.index(sweep.input_line)] = f"{key}={','.join(good)}"
         grid.append((key, good))
-    if multirun and not ns.cfg and not ns.info:
+    if multirun and not ns.cfg and not ns.info and not _sweeper_params(source, base):
         # Every point the sweep will run, checked as a single run is: a bad value fails here, not in each job.
+        # (An experiment's sweep adds its own grid, hydra.sweeper.params: its points are the experiment's to check.)
         grid, left_out, errors = _check_points(source, parser, base, grid)
         if errors:
             return Checked(list(argv), errors=dropped + errors)
