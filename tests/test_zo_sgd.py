@@ -265,7 +265,7 @@ def test_step_never_syncs_with_the_host_on_cuda() -> None:
     ("kwargs", "message"),
     [
         ({"eps": 0.0}, "eps=0.0 must be > 0"),
-        ({"lr": -1.0}, "lr=-1.0 must be > 0"),
+        ({"lr": -1.0}, "lr=-1.0 must be >= 0"),
         ({"n_queries": 0}, "n_queries=0 must be an int >= 1"),
         ({"reduction": "max"}, "reduction='max' must be one of mean, sum"),
         ({"estimator": "forward"}, "estimator='forward' must be one of central, es, es_independent, forward_grad, one_sided"),
@@ -281,6 +281,15 @@ def test_config_errors_name_the_field() -> None:
         OPTIMIZERS.config("zo_sgd", {"eps": 0})
     with pytest.raises(ConfigError, match=r"optimizer\.betas"):
         OPTIMIZERS.config("adamw", {"betas": [0.9, 1.5]})
+
+
+def test_a_run_refuses_a_learning_rate_of_zero_that_the_optimizer_class_takes() -> None:
+    """A run's lr=0 would never move a weight (and stall with a misleading hint); the class itself takes 0, for a
+    tool that estimates without stepping."""
+    for kind in ("zo_sgd", "adamw"):
+        with pytest.raises(ConfigError, match=r"method\.optimizer\.lr=0(\.0)? must be > 0: a learning rate of"):
+            OPTIMIZERS.config(kind, {"lr": 0})
+    ZOSGD([nn.Parameter(torch.zeros(2))], lr=0.0)
 
 
 def test_a_bad_query_count_from_the_loop_fails_at_step() -> None:

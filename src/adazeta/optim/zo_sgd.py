@@ -42,8 +42,8 @@ def _validate(
     where: str, lr: float, eps: float, weight_decay: float, reduction: str, estimator: str, noise: str = "per_tensor"
 ) -> None:
     """Fail at start-up, naming the field, its value and what is allowed."""
-    if lr <= 0:
-        raise ConfigError(f"{where}lr={lr!r} must be > 0: a learning rate of {lr!r} never moves a weight")
+    if lr < 0:
+        raise ConfigError(f"{where}lr={lr!r} must be >= 0")
     if eps <= 0:
         raise ConfigError(f"{where}eps={eps!r} must be > 0")
     if weight_decay < 0:
@@ -522,6 +522,9 @@ class ZOSGDConfig(OptimizerCapabilities):
         return trained.nbytes if kept else draw_bytes(trained)
 
     def __post_init__(self) -> None:
+        if self.lr <= 0:  # a run's rate (the class takes 0: a tool may estimate without moving the weights)
+            raise ConfigError(f"method.optimizer.lr={self.lr!r} must be > 0: a learning rate of {self.lr!r} never "
+                              "moves a weight")
         _validate("method.optimizer.", self.lr, self.eps, self.weight_decay, self.reduction, self.estimator, self.noise)
         _check_chunk("method.optimizer.", self.query_chunk)
         _check_memory("method.optimizer.", self.query_memory)
