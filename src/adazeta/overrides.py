@@ -6,9 +6,9 @@ Hydra reports a mistyped group option (``method=adazet``) or an unknown key (``t
 exits 1, prints its usage for a bad flag, and one bad value in a sweep list refuses the whole sweep. Here the
 flags are read with Hydra's own parser and every override is composed first, the way ``adazeta-run`` would
 compose it: a mistake in a single run is one line and exit status 2; in a sweep, the values that cannot compose
-are left out (one line each) and the rest of the sweep runs. A single run's composed config is also parsed into
-its typed settings here (``adazeta.settings.parse``), so that a bad value is reported before Hydra creates the
-run directory.
+are left out (one line each) and the rest of the sweep runs. A run's composed config (each point's, in a sweep)
+is also resolved (``${...}``) and parsed into its typed settings here (``adazeta.settings.parse``), so that a bad
+value is reported before Hydra creates the run directory, and not once per job of a sweep.
 """
 
 from __future__ import annotations
