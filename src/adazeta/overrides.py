@@ -643,6 +643,7 @@ def check(argv: list[str], config_dir: str) -> Checked:
             return Checked(list(argv), errors=[problem])
     new_overrides, dropped = list(overrides), []
     grid: list[tuple[str, list[str]]] = []  # each swept key and the values that compose
+    where: list[int] = []  # the position of each in the command line (a key may be swept twice: the last wins)
     for sweep in sweeps:
         key = sweep.get_key_element()
         problem = _group_choice(source, sweep)
@@ -659,6 +660,7 @@ def check(argv: list[str], config_dir: str) -> Checked:
             return Checked(list(argv), errors=dropped)
         new_overrides[overrides.index(sweep.input_line)] = f"{key}={','.join(good)}"
         grid.append((key, good))
+        where.append(overrides.index(sweep.input_line))
     if multirun and not ns.cfg and not ns.info and not _sweeper_params(source, base):
         # Every point the sweep will run, checked as a single run is: a bad value fails here, not in each job.
         # (An experiment's sweep adds its own grid, hydra.sweeper.params: its points are the experiment's to check.)
@@ -666,9 +668,8 @@ def check(argv: list[str], config_dir: str) -> Checked:
         if errors:
             return Checked(list(argv), errors=dropped + errors)
         dropped += left_out
-        for key, good in grid:
-            line = next(o for o in new_overrides if o.split("=", 1)[0] == key)
-            new_overrides[new_overrides.index(line)] = f"{key}={','.join(good)}"
+        for (key, good), index in zip(grid, where):
+            new_overrides[index] = f"{key}={','.join(good)}"
     if multirun and target is not None:
         # Resolved once, here, so that the jobs and the summary at the end agree on it (``${now:...}`` moves on).
         new_overrides = [a for a in new_overrides if not a.startswith("hydra.sweep.dir=")]
