@@ -37,6 +37,19 @@ def fake_run(root: Path, arm: str, task: str, seed: int, accuracy: float, dev: f
         "device": {"type": "cpu", "name": "Test CPU", "cpu_features": ["avx2"]}, "config": config}))
 
 
+# Each trained arm's lr grid (conf/experiment/cpu_table2.yaml) and the rate it chooses in these runs.
+GRIDS = {"adazeta": ((1e-4, 3e-4, 1e-3), 1e-3), "mezo_lora": ((3e-4, 1e-3, 3e-3), 1e-3), "ft": ((3e-6, 1e-5, 3e-5), 1e-5)}
+
+
+def fake_grid(root: Path, arm: str, tasks=("sst2", "wic")):
+    """The rest of ``arm``'s grid at seed 0 on the selection tasks, each 10 dev points below the chosen rate's."""
+    lrs, chosen = GRIDS[arm]
+    for task in tasks:
+        for lr in lrs:
+            if lr != chosen:
+                fake_run(root, arm, task, 0, 0.5, dev=0.4, lr=lr)
+
+
 @pytest.fixture
 def runs(tmp_path):
     root = tmp_path / "runs"
@@ -44,10 +57,12 @@ def runs(tmp_path):
         for seed in range(3):  # AdaZeta 5-6 points above MeZO-LoRA at every task and seed
             fake_run(root, "adazeta", task, seed, ada + 0.01 * seed, dev=ada)
             fake_run(root, "mezo_lora", task, seed, lora + 0.01 * seed, dev=lora, status="diverged" if seed else "finished")
-            fake_run(root, "ft", task, seed, 0.9, dev=0.9, step_time=5.0, peak=4000.0)
+            fake_run(root, "ft", task, seed, 0.9, dev=0.9, step_time=5.0, peak=4000.0, lr=GRIDS["ft"][1])
         fake_run(root, "zero_shot_cc", task, 0, 0.5, dev=0.60, lr=None)
         fake_run(root, "zero_shot_prior", task, 0, 0.7, dev=0.55 if task != "wic" else 0.65, lr=None)
         fake_run(root, "lp", task, 0, 0.85, dev=0.85, lr=None)
+    for arm in GRIDS:
+        fake_grid(root, arm)
     return root
 
 
@@ -92,3 +107,23 @@ def test_an_experiment_without_matrix_endpoints_is_refused_in_one_line(tmp_path)
 
     with pytest.raises(ConfigError, match="declares no task-matrix endpoints"):
         matrix.report("cpu_zo_claims", tmp_path, Path("results/paper_numbers.csv"), tmp_path, None)
+
+
+def test_an_arm_whose_lr_grid_is_still_running_has_no_cell_yet(tmp_path):
+    """A grid point is not a result: until every rate of an arm's grid has ended at each selection task (seed 0),
+    no rate is chosen, so the arm's cells stay empty and the report says how far its grid is."""
+    root = tmp_path / "runs"
+    for task in ("sst2", "wic"):
+        fake_run(root, "adazeta", task, 0, 0.8, dev=0.8)  # 1e-3 ended; 1e-4 and 3e-4 not yet
+        fake_run(root, "mezo_lora", task, 0, 0.7, dev=0.7)
+    fake_grid(root, "mezo_lora")  # mezo_lora's grid is complete
+    fake_run(root, "adazeta", "sst2", 0, 0.5, dev=0.4, lr=1e-4)  # adazeta: 3 of 6
+    tables = tmp_path / "tables"
+    text = matrix.report("cpu_table2", root, Path("results/paper_numbers.csv"), tables, None)
+    rows = {line.split("|")[1].strip(): line for line in (tables / "cpu_table2.md").read_text().splitlines()
+            if line.startswith("| ")}
+    assert rows["adazeta"].split("|")[2].strip() == "—"  # sst2: no cell while the grid runs
+    record = json.loads((root / "cpu_table2" / "mezo_lora" / "task=sst2,lr=0.001,seed=0" / "result.json").read_text())
+    assert rows["mezo_lora"].split("|")[2].strip().startswith(f"{100 * record['test_accuracy']:.1f} [")  # chosen rate
+    waiting = next(line for line in text.splitlines() if line.startswith("Learning-rate grids still running"))
+    assert "adazeta: 3 of 6 grid runs ended" in waiting and "mezo_lora" not in waiting

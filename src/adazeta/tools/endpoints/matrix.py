@@ -18,6 +18,7 @@ Endpoints (``endpoints:`` in the config):
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,6 +158,9 @@ def report(name: str, runs: Path, paper_path: Path, tables: Path, figures: Path 
     tasks = [str(t) for t in design.grid.get("task", [])]
     n_boot = int(ends.get("bootstrap", 10000))
     results = load_results([runs / name]) if (runs / name).exists() else load_results([])
+    waiting = grids_running(design, results)
+    if waiting and len(results):  # an arm's cells wait for its rate: a half-run grid chooses nothing yet
+        results = results[~results["method"].isin(list(waiting))]
     selected = select_on_dev(results) if len(results) else results
     cells = _cells(selected, results, name) if len(results) else {}
     zo_arms, fo_arms = list(ends.get("zo_arms", [])), list(ends.get("fo_arms", []))
@@ -167,6 +171,10 @@ def report(name: str, runs: Path, paper_path: Path, tables: Path, figures: Path 
              f"under {runs / name}; the design, budgets and endpoints are in conf/experiment/{name}.yaml "
              "(pre-registered).", ""]
     lines += _status(name, design, results, runs, tasks)
+    if waiting:
+        lines += ["Learning-rate grids still running (their arms' cells wait for the rate the grid chooses on dev): "
+                  + "; ".join(f"{arm}: {done} of {total} grid runs ended" for arm, (done, total) in waiting.items())
+                  + ".", ""]
     lines += _table(name, selected, cells, calibrated, paper_path, ends, tasks, tables)
     lines += _endpoints(cells, ends, tasks, zo_arms, fo_arms, n_boot, paper_path)
     if figures is not None:
@@ -175,6 +183,29 @@ def report(name: str, runs: Path, paper_path: Path, tables: Path, figures: Path 
     tables.mkdir(parents=True, exist_ok=True)
     (tables / f"{name}_report.md").write_text(text)
     return text
+
+
+def grids_running(design, results: pd.DataFrame) -> dict[str, tuple[int, int]]:
+    """Arms whose lr grid has not ended at every selection point (its runs at ``design.select_seed``), with
+    (grid runs ended, grid runs in all): until then no rate is chosen, so none of the arm's runs is a result."""
+    ended = results[results["status"].isin(list(ENDED))] if len(results) else results
+    waiting = {}
+    for arm in design.arms.values():
+        if len(arm.lrs) < 2:
+            continue
+        tasks = {str(p.get("task")) for p in design.points() if design.selects_at(p) and arm.runs_at_point(p)}
+        have = set()
+        if len(ended):
+            mine = ended[(ended["method"] == arm.name) & (ended["seed"] == design.select_seed)]
+            for task, path in zip(mine["task"], mine["path"]):
+                lr = re.search(r"(?:^|[,/])lr=([^,/]+)", str(path))
+                if lr:
+                    have.add((str(task), float(lr.group(1))))
+        total = len(tasks) * len(arm.lrs)
+        done = sum((t, float(lr)) in have for t in tasks for lr in arm.lrs)
+        if done < total:
+            waiting[arm.name] = (done, total)
+    return waiting
 
 
 def _status(name: str, design, results: pd.DataFrame, runs: Path, tasks: list[str]) -> list[str]:
