@@ -296,3 +296,21 @@ def test_a_damaged_run_record_stops_the_report_with_one_line_naming_it(results):
     assert out.stderr.strip().splitlines() == [
         f"study_report: error: {damaged.resolve()} is not a run record (Unterminated string starting at: line 1 "
         "column 24 (char 23)); rerun that run (force=true) or move its folder away"]
+
+
+@pytest.mark.parametrize("arms", [3, 17])
+def test_loss_curves_stay_readable_with_many_arms_and_a_blow_up(tmp_path, arms):
+    """Up to six arms share two charts; more get a panel each. Either way the y range ends at the highest starting
+    loss, so one run blowing up to 3.56 at its last evaluation is cut at the edge and the others stay legible."""
+    import matplotlib.image
+
+    from adazeta.tools.plots import loss_curves_figure
+
+    curves = {f"arm{i}": [[(f, f / 100, 1.07 - 0.4 * f / 1000 - 0.01 * i) for f in range(0, 1001, 100)]]
+              for i in range(arms)}
+    curves["arm0"][0][-1] = (1000, 10.0, 3.56)  # a last-evaluation blow-up
+    path = tmp_path / "curves.png"
+    low, high = loss_curves_figure(curves, path)
+    assert 1.07 <= high < 1.2 and low < 0.67 - 0.01 * (arms - 1)
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert (width > height) if arms == 3 else (height > 0.6 * width)  # two charts side by side, or a grid

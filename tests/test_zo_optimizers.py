@@ -317,7 +317,7 @@ def test_forward_grad_matches_the_exact_directional_derivative_on_a_tiny_lm():
     closure = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
     closure.model = model  # type: ignore[attr-defined]
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    opt = OPTIMIZERS.get("forward_grad").builder(named, OPTIMIZERS.config("forward_grad", {"lr": 0.0}), SEED)
+    opt = OPTIMIZERS.get("forward_grad").builder(named, OPTIMIZERS.config("forward_grad", {"lr": 1e-3}), SEED)
     order = [p for g in opt.param_groups for p in g["params"]]
     z = directions(order, query_seed(SEED, 0, 0))
     grads = torch.autograd.grad(closure(), order)

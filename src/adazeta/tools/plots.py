@@ -1,4 +1,5 @@
-"""Figures: convergence curves (mean and band over seeds, divergence marked, Q on a second axis), memory bars.
+"""Figures: convergence curves (mean and band over seeds, divergence marked, Q on a second axis), memory bars, and
+a study's dev-loss curves per arm (overlaid, or a panel per arm when there are many).
 
 Reads the CSV files every run writes (metrics.csv, eval.csv) next to its result.json.
 """
@@ -253,3 +254,67 @@ def memory_figure(table: pd.DataFrame, out: Path | None = None) -> plt.Figure:
     if out is not None:
         save_figure(fig, out)
     return fig
+
+
+OVERLAY_ARMS = 6  # up to this many arms share one chart; more get a panel each (17 overlaid lines are unreadable)
+
+
+def loss_curves_figure(curves: dict[str, list[list[tuple[float, float, float]]]], path: Path
+                       ) -> tuple[float, float] | None:
+    """Dev loss curves per arm, one per seed, each a list of (forward passes, training minutes, loss) points.
+
+    Up to ``OVERLAY_ARMS`` arms: two charts (against forward passes, against training minutes), every arm in its
+    colour. More: a panel per arm (its seeds in its colour, every other arm's seeds faint grey behind), forward
+    passes on x, the arm's median training minutes in its title. The y range runs from the lowest loss to the
+    highest starting loss: a climb above where training began (a diverged run, or a blow-up at the last evaluation)
+    is cut at the top edge with its peak marked, instead of flattening every other curve. Returns that y range."""
+    shown = [arm for arm, seeds in curves.items() if seeds]
+    starts = [[run[0][2]] for arm in shown for run in curves[arm] if run]
+    every = [[loss for _, _, loss in run] for arm in shown for run in curves[arm]]
+    limits = loss_limits(starts, every)
+    top = limits[1] if limits else None
+    colours = method_colors(shown)  # one colour per arm, the same in every chart
+    if len(shown) <= OVERLAY_ARMS:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+        for arm in shown:
+            for j, run in enumerate(curves[arm]):
+                label = arm if j == 0 else None
+                ys = [loss for _, _, loss in run]
+                for ax, xs in ((axes[0], [f for f, _, _ in run]), (axes[1], [m for _, m, _ in run])):
+                    plot_clipped(ax, xs, ys, top, color=colours[arm], alpha=0.8, lw=1.2, label=label)
+        axes[0].set_xlabel("forward passes")
+        axes[1].set_xlabel("training minutes (evaluations excluded)")
+        axes[0].set_ylabel("dev loss (one line per seed)")
+        axes[0].legend(fontsize=8)
+        panels = list(axes)
+    else:
+        cols = 4 if len(shown) > 9 else 3
+        rows = math.ceil(len(shown) / cols)
+        fig, grid = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.5 * rows), sharex=True, sharey=True,
+                                 squeeze=False)
+        panels = [ax for row in grid for ax in row]
+        for ax, arm in zip(panels, shown):
+            for other in shown:  # the field, faint, behind this arm's own curves
+                if other != arm:
+                    for run in curves[other]:  # cut by the axes, unmarked: the markers are the arm's own
+                        ax.plot([f for f, _, _ in run], [loss for _, _, loss in run], color="0.85", lw=0.8)
+            for run in curves[arm]:
+                plot_clipped(ax, [f for f, _, _ in run], [loss for _, _, loss in run], top, color=colours[arm], lw=1.5)
+            minutes = [run[-1][1] for run in curves[arm] if run]
+            ax.set_title(f"{arm} ({np.median(minutes):.0f} min)" if minutes else arm, fontsize=9)
+        for ax in panels[len(shown):]:
+            ax.axis("off")
+        for ax in grid[-1]:
+            ax.set_xlabel("forward passes", fontsize=8)
+        for row in grid:
+            row[0].set_ylabel("dev loss", fontsize=8)
+        fig.suptitle("dev loss, one line per seed (grey: the other arms); in brackets: median training minutes",
+                     fontsize=9)
+    for ax in panels:
+        ax.grid(alpha=0.3)
+        if limits:
+            ax.set_ylim(*limits)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+    plt.close(fig)
+    return limits

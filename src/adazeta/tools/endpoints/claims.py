@@ -313,74 +313,14 @@ def equal_budget(runs: dict[str, dict[int, Run]], arms: list[str], marks: list[f
     return lines
 
 
-OVERLAY_ARMS = 6  # up to this many arms share one chart; more get a panel each (17 overlaid lines are unreadable)
-
-
 def figure(runs: dict[str, dict[int, Run]], arms: list[str], path: Path) -> None:
-    """Dev loss of every arm's seeds against forward passes and against training minutes. Up to
-    ``OVERLAY_ARMS`` arms: two charts, every arm in its colour. More: a panel per arm (its seeds in its colour, every
-    other arm's seeds faint grey behind), forward passes on x, the arm's median training minutes in its title. The
-    y range ends at the highest starting loss: a climb above it is cut at the top edge with its peak marked."""
-    import matplotlib
+    """Dev loss of every arm's seeds against forward passes and training minutes (``plots.loss_curves_figure``)."""
+    from adazeta.tools.plots import loss_curves_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from adazeta.tools.plots import loss_limits, method_colors, plot_clipped, save_figure
-
-    shown = [arm for arm in arms if runs.get(arm)]
-    curves = {arm: sorted(runs[arm].values(), key=lambda r: r.seed) for arm in shown}
-    # The y range: from the lowest loss to the highest starting loss, so that a climb above where training began
-    # (a diverged run, or one blowing up at its last evaluation) is cut at the top edge with its peak marked.
-    starts = [[r.curve[0].loss] for arm in shown for r in curves[arm] if r.curve]
-    every = [[p.loss for p in r.curve] for arm in shown for r in curves[arm]]
-    limits = loss_limits(starts, every)
-    top = limits[1] if limits else None
-    colours = method_colors(shown)  # one colour per arm, the same in every chart
-    if len(shown) <= OVERLAY_ARMS:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-        for arm in shown:
-            for j, run in enumerate(curves[arm]):
-                label = arm if j == 0 else None
-                ys = [p.loss for p in run.curve]
-                for ax, xs in ((axes[0], [p.forwards for p in run.curve]), (axes[1], [p.wall_s / 60 for p in run.curve])):
-                    plot_clipped(ax, xs, ys, top, color=colours[arm], alpha=0.8, lw=1.2, label=label)
-        axes[0].set_xlabel("forward passes")
-        axes[1].set_xlabel("training minutes (evaluations excluded)")
-        axes[0].set_ylabel("dev loss (one line per seed)")
-        axes[0].legend(fontsize=8)
-        panels = list(axes)
-    else:
-        cols = 4 if len(shown) > 9 else 3
-        rows = math.ceil(len(shown) / cols)
-        fig, grid = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.5 * rows), sharex=True, sharey=True,
-                                 squeeze=False)
-        panels = [ax for row in grid for ax in row]
-        for ax, arm in zip(panels, shown):
-            for other in shown:  # the field, faint, behind this arm's own curves
-                if other != arm:
-                    for run in curves[other]:  # cut by the axes, unmarked: the markers are the arm's own
-                        ax.plot([p.forwards for p in run.curve], [p.loss for p in run.curve], color="0.85", lw=0.8)
-            for run in curves[arm]:
-                plot_clipped(ax, [p.forwards for p in run.curve], [p.loss for p in run.curve], top,
-                             color=colours[arm], lw=1.5)
-            minutes = [run.curve[-1].wall_s / 60 for run in curves[arm] if run.curve]
-            ax.set_title(f"{arm} ({np.median(minutes):.0f} min)" if minutes else arm, fontsize=9)
-        for ax in panels[len(shown):]:
-            ax.axis("off")
-        for ax in grid[-1]:
-            ax.set_xlabel("forward passes", fontsize=8)
-        for row in grid:
-            row[0].set_ylabel("dev loss", fontsize=8)
-        fig.suptitle("dev loss, one line per seed (grey: the other arms); in brackets: median training minutes",
-                     fontsize=9)
-    for ax in panels:
-        ax.grid(alpha=0.3)
-        if limits:
-            ax.set_ylim(*limits)
-    fig.tight_layout()
-    save_figure(fig, path, dpi=110)
-    plt.close(fig)
+    curves = {arm: [[(p.forwards, p.wall_s / 60, p.loss) for p in run.curve]
+                    for run in sorted(runs[arm].values(), key=lambda r: r.seed)]
+              for arm in arms if runs.get(arm)}
+    loss_curves_figure(curves, path)
 
 
 def report(name: str, out: Path) -> Path:
