@@ -262,3 +262,35 @@ def test_no_module_reaches_a_private_name_of_another_or_patches_one():
 ])
 def test_the_private_name_reader_sees_every_form(source, found):
     assert private_reaches(source, "adazeta.optim.engine") == found
+
+
+def family_comparisons(source: str) -> list[str]:
+    """Each comparison of a value with the literal "causal" or "masked" (``==``, ``!=``, ``in``) in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for op in operands:
+                values = [op] + (list(op.elts) if isinstance(op, (ast.Tuple, ast.List, ast.Set)) else [])
+                found += [f"line {node.lineno}: {v.value!r}" for v in values
+                          if isinstance(v, ast.Constant) and v.value in ("causal", "masked")]
+    return found
+
+
+def test_the_family_is_an_object_no_module_compares_its_name():
+    """``adazeta.tasks.family`` declares what each family decides (where the answer is read, packing, BOS, the
+    auto class, its data): a module asks the Family, never compares its name, so a third family is one object."""
+    offenders = [f"{path.relative_to(PACKAGE)} {hit}" for path in sorted(PACKAGE.rglob("*.py"))
+                 if path != PACKAGE / "tasks" / "family.py" for hit in family_comparisons(path.read_text())]
+    assert not offenders, "; ".join(offenders) + ": read the family's declared behaviour (adazeta.tasks.family)"
+
+
+@pytest.mark.parametrize("source,hits", [
+    ("if family == 'masked':\n    pass", 1),
+    ("x = 'causal' != fam", 1),
+    ("ok = f in ('causal', 'masked')", 2),
+    ("if family.reads_mask:\n    pass", 0),
+    ("name = 'causal'", 0),
+])
+def test_the_family_comparison_reader_sees_every_form(source, hits):
+    assert len(family_comparisons(source)) == hits

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from adazeta.errors import ConfigError
+from adazeta.tasks.family import CAUSAL, MASKED
 from adazeta.settings import parse
 from adazeta.tasks.spec import BoundTask, TaskSpec
 from helpers import CONF, compose_cfg
@@ -172,8 +173,9 @@ def test_a_task_bound_to_a_family_holds_that_protocol_s_sources_and_format():
     causal, masked = s.for_family("causal"), s.for_family("masked")
     assert isinstance(causal, BoundTask) and causal.spec is s and causal.name == "sst2"
     # causal: the MeZO protocol's sources (GLUE); masked: LM-BFF's k-shot layout, from masked_data
-    assert (causal.family, causal.format, causal.hub, causal.local) == ("causal", s.causal, s.hub, s.local)
-    assert (masked.family, masked.format) == ("masked", s.masked)
+    assert (causal.family, causal.format, causal.hub, causal.local) == (CAUSAL, s.causal, s.hub, s.local)
+    assert (masked.family, masked.format) == (MASKED, s.masked)
+    assert s.for_family(MASKED) == masked  # a name or the Family itself: bound to the same object
     assert (masked.hub, masked.local) == (s.masked_data.hub, s.masked_data.local)
     assert masked.local is not s.local and masked.local.kshot and not causal.local.kshot
     assert causal.candidates == s.causal.candidates and masked.candidates == s.masked.candidates
@@ -190,4 +192,4 @@ def test_the_mask_token_binds_once_the_tokenizer_is_known():
     assert after == s.for_family("masked", MASK)
     assert after.render(SENTENCE, 1).prompt == "a gripping film It was<mask>."
     with pytest.raises(dataclasses.FrozenInstanceError):
-        after.family = "causal"
+        after.family = CAUSAL

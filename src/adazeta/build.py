@@ -43,6 +43,7 @@ from adazeta.paths import config_dir
 from adazeta.schedules import SCHEDULES, Schedule, budget_steps, mean_queries
 from adazeta.scoring import Encoded, Scorer, packing_supported
 from adazeta.settings import Settings, parse, unused_keys
+from adazeta.tasks.family import family as as_family
 from adazeta.tasks.loaders import TaskData, check_data, load_task, split_rows, validate_local_rows
 from adazeta.tasks.objectives import build_objective
 from adazeta.tracking import check_wandb, quiet_third_party
@@ -172,7 +173,7 @@ class Built:
             "data_source": self.data.source,
             "model_source": dataclasses.asdict(self.loaded.source),
             "truncated": {split: sum(e.truncated for e in items) for split, items in self.enc.items()},
-            "scoring_layout": "packed" if self.family == "causal" and packing_supported(self.model) else "rows",
+            "scoring_layout": "packed" if as_family(self.family).packs and packing_supported(self.model) else "rows",
             **distributed.describe(d, s.distributed.mode, zo),  # world_size, parallel, backend
         }
         if self.demonstrations is not None:

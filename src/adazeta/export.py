@@ -26,6 +26,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from adazeta.errors import ConfigError
+from adazeta.tasks.family import family as as_family
 
 LOADING = """# {title}
 
@@ -119,7 +120,7 @@ def _export_adapters(run_dir: Path, record_path: Path, folder: Path, out: Path) 
     if source.gguf_file:  # provenance: the weights written here are the file's, dequantised
         quant = gguf_quantisation(str(Path(source.path) / source.gguf_file))
         gguf = GGUF_NOTE.format(file=source.gguf_file, quant=quant)
-    auto = "AutoModelForMaskedLM" if s.model.family == "masked" else "AutoModelForCausalLM"
+    auto = as_family(s.model.family).auto_class
     title = f"{s.method} on {s.task.name} ({s.model.name})"
     if not (adapter / ADAPTER_CONFIG).is_file():  # peft LoRA: merged into the base weights
         merged = load_adapters(loaded.model, adapter).merge_and_unload()

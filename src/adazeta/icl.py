@@ -61,7 +61,7 @@ def demonstration_text(example: Example, task: BoundTask) -> str:
     in LM-BFF), so the word goes in with its space: "It was{mask}." becomes "It was great.".
     """
     answer, mask_token = example.candidates[example.gold], task.mask_token
-    if task.family == "masked":
+    if task.family.reads_mask:
         if mask_token is None or mask_token not in example.prompt:
             raise ConfigError("masked demonstrations need the tokenizer's mask token in the prompt")
         return example.prompt.replace(mask_token, " " + answer.strip(), 1)
@@ -71,7 +71,7 @@ def demonstration_text(example: Example, task: BoundTask) -> str:
 
 def fits_in(tokenizer: Any, task: BoundTask, max_length: int) -> Callable[[str, Sequence[str]], bool]:
     """Whether a prompt and its longest candidate fit ``max_length`` tokens, counted as ``Scorer.encode`` does."""
-    masked = task.family == "masked"
+    masked = task.family.reads_mask
     bos = 1 if not masked and getattr(tokenizer, "add_bos_token", False) else 0
 
     def fits(prompt: str, candidates: Sequence[str]) -> bool:

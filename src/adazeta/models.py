@@ -21,9 +21,10 @@ from torch import nn
 
 from adazeta.adapters.sites import check_placements
 from adazeta.errors import ConfigError
+from adazeta.tasks.family import CAUSAL, FAMILIES, MASKED
+from adazeta.tasks.family import family as as_family
 from adazeta.precision import ADAPTER_DTYPES, COMPILE_BACKENDS, QUANTIZATIONS
 
-FAMILIES = ("causal", "masked")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODEL_DIR_ENV = "ADAZETA_MODEL_DIR"
 
@@ -355,15 +356,15 @@ def infer_family(config: Any) -> str:
 
     for name in getattr(config, "architectures", None) or []:
         if name.endswith("ForMaskedLM"):
-            return "masked"
+            return MASKED.name
         if name.endswith(("ForCausalLM", "LMHeadModel")):
-            return "causal"
+            return CAUSAL.name
     causal = config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     masked = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
     if masked and not (causal and getattr(config, "is_decoder", False)):
-        return "masked"
+        return MASKED.name
     if causal:
-        return "causal"
+        return CAUSAL.name
     raise ConfigError(f"model_type={config.model_type!r} is neither a causal nor a masked LM in this transformers "
                       "version; set model.family=causal or masked if it is one")
 
@@ -397,9 +398,9 @@ def architecture_summary(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _auto_class(family: str) -> Any:
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+    import transformers
 
-    return AutoModelForCausalLM if family == "causal" else AutoModelForMaskedLM
+    return getattr(transformers, as_family(family).auto_class)
 
 
 def build_meta_model(cfg: ModelConfig) -> nn.Module:

@@ -67,7 +67,7 @@ def prompt_features(scorer: Scorer, items: Sequence[Encoded], batch_size: int) -
         for r, p in enumerate(prompts):
             ids[r, : len(p)] = torch.tensor(p)
             attention[r, : len(p)] = 1
-        at = torch.tensor([p.index(mask_id) if family == "masked" else len(p) - 1 for p in prompts])
+        at = torch.tensor([p.index(mask_id) if family.reads_mask else len(p) - 1 for p in prompts])
         hidden = backbone(input_ids=ids.to(device), attention_mask=attention.to(device)).last_hidden_state
         picked = hidden[torch.arange(len(chunk), device=hidden.device), at.to(hidden.device)].float().cpu().numpy()
         if out.shape[1] == 0:

@@ -30,13 +30,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from adazeta.errors import ConfigError
+from adazeta.tasks.family import FAMILIES
 
 LOCK_NAME = ".lock"
 # Keys that say where files live or how a run is logged, not what it computes: they may differ between two
 # commands for the same run. ``train.eval_batch_size``, ``train.checkpoint_every`` and ``model.device_map`` (where the
 # layers sit) never change a number; ``method.optimizer.query_memory`` (how many replicas ``query_chunk=auto`` puts in one
 # forward) changes the batched forwards' rounding only.
-# ``task.version`` neither: the prompt format of the run's family is compared itself (see OTHER_FAMILY).
+# ``task.version`` neither: the prompt format of the run's family is compared itself (its Family's ``unread_task_keys``).
 NON_RESULT_KEYS = ("force", "dry_run", "verbose", "data.dir", "model.model_dir", "train.eval_batch_size",
                    "train.checkpoint_every", "train.save", "train.save_model", "task.version", "model.device_map",
                    "method.optimizer.query_memory")
@@ -48,7 +49,6 @@ NON_RESULT_KEYS = ("force", "dry_run", "verbose", "data.dir", "model.model_dir",
 # must not split the runs it already holds.
 NON_RESULT_PREFIXES = ("wandb.", "hydra.", "distributed.", "guard.", "model.placements.", "arms.", "design.", "tuning.")
 # A task's settings for the other model family: a causal run never reads its masked template, and vice versa.
-OTHER_FAMILY = {"causal": ("task.masked.", "task.masked_data."), "masked": ("task.causal.", "task.hub.", "task.local.")}
 HEADLINE_KEYS = ("method.name", "task.name", "model.name", "seed")
 
 
@@ -67,7 +67,8 @@ def result_settings(config: dict[str, Any]) -> dict[str, Any]:
     """The flattened config minus paths, logging settings and the other family's prompt format: what decides a
     run's numbers."""
     flat = flatten(config)
-    skip = NON_RESULT_PREFIXES + OTHER_FAMILY.get(flat.get("model.family", "causal"), ())
+    family = FAMILIES.get(flat.get("model.family") or "causal")
+    skip = NON_RESULT_PREFIXES + (family.unread_task_keys if family else ())
     return {k: v for k, v in flat.items() if k not in NON_RESULT_KEYS and not k.startswith(skip)}
 
 

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from adazeta.errors import ConfigError
+from adazeta.tasks.family import family as as_family
 
 log = logging.getLogger("adazeta")
 
@@ -273,8 +274,8 @@ def model_card(record: dict[str, Any], command: list[str] | None, kind: str, bas
 
     metric = record.get("metric") or "accuracy"
     source = record.get("model_source") or {}
-    masked = base.get("family") == "masked"
-    auto = "AutoModelForMaskedLM" if masked else "AutoModelForCausalLM"
+    family = as_family(base.get("family") or "causal")  # a record from before model.family
+    masked, auto = family.reads_mask, family.auto_class
     where = source.get("path") if source.get("kind") in ("local", "hub") else base.get("hub_id")
     gguf_file = source.get("gguf_file")
     data = ModelCardData(

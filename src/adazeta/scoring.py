@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from adazeta.errors import ConfigError
+from adazeta.tasks.family import CAUSAL, Family
+from adazeta.tasks.family import family as as_family
 from adazeta.tasks.objectives import Objective
 from adazeta.tasks.spec import Example
 
@@ -150,8 +152,7 @@ class Batch:
             return self
         if self.items is None:
             raise ValueError("this packed batch keeps no examples to lay out in rows; collate it again")
-        family = "causal"  # only causal batches are ever packed
-        return collate(self.items, family, self.pad_id, self.mask_id, layout="rows").to(self.device)
+        return collate(self.items, CAUSAL, self.pad_id, self.mask_id, layout="rows").to(self.device)  # packs: causal
 
 
 def _encode_text(tokenizer: Any, text: str) -> list[int]:
@@ -264,7 +265,7 @@ def _truncate_masked(ids: list[int], body: list[int], mask_id: int, max_length: 
     return ids[:start] + ids[at - keep_left : at + 1 + keep_right] + ids[end:]
 
 
-def encode(examples: Sequence[Example], tokenizer: Any, family: str, max_length: int) -> list[Encoded]:
+def encode(examples: Sequence[Example], tokenizer: Any, family: Family | str, max_length: int) -> list[Encoded]:
     """Token ids of each example: the shared prompt, the candidates' continuations, whether the prompt was cut.
 
     Causal LMs: candidates as MeZO tokenises them (:func:`split_joint`); a prompt too long for ``max_length`` with
@@ -275,10 +276,10 @@ def encode(examples: Sequence[Example], tokenizer: Any, family: str, max_length:
     and the template's own ``max_length`` (:func:`_truncate_masked`); label words are one token each, as in
     LM-BFF. ``truncated`` counts any cut: a sentence limit or the prompt's length.
     """
-    out = []
-    bos = [tokenizer.bos_token_id] if family == "causal" and getattr(tokenizer, "add_bos_token", False) else []
+    out, family = [], as_family(family)
+    bos = [tokenizer.bos_token_id] if family.starts_with_bos and getattr(tokenizer, "add_bos_token", False) else []
     for ex in examples:
-        if family == "masked":
+        if family.reads_mask:
             body, cut = _encode_masked_body(tokenizer, ex)
             prompt = _with_special_tokens(tokenizer, ex.prompt, body)
             limit = (ex.meta.get("limits") or {}).get("max_length")
@@ -369,13 +370,13 @@ def _plan_packed(items: Sequence[Encoded], plan: _Plan) -> None:
             offset += len(cand) - 1
 
 
-def _plan_rows(items: Sequence[Encoded], family: str, mask_id: int | None, plan: _Plan) -> None:
+def _plan_rows(items: Sequence[Encoded], family: Family, mask_id: int | None, plan: _Plan) -> None:
     """A row per example (masked LMs, shared prompts) or per example and candidate."""
     for i, ex in enumerate(items):
-        if family == "masked" or ex.shared_prompt:
+        if family.reads_mask or ex.shared_prompt:
             r = len(plan.rows)
             plan.rows.append(ex.prompt)
-            at = ex.prompt.index(mask_id) if family == "masked" else len(ex.prompt) - 1
+            at = ex.prompt.index(mask_id) if family.reads_mask else len(ex.prompt) - 1
             for j, cand in enumerate(ex.candidates):
                 plan.add_candidate(i, j, cand, [(r, at)])
         else:
@@ -393,7 +394,7 @@ def _right_padded(rows: list[list[int]], width: int, fill: int) -> torch.Tensor:
 
 
 def collate(
-    items: Sequence[Encoded], family: str, pad_id: int, mask_id: int | None = None, layout: str = "packed"
+    items: Sequence[Encoded], family: Family | str, pad_id: int, mask_id: int | None = None, layout: str = "packed"
 ) -> Batch:
     """Lay examples out in right-padded rows and record which hidden state scores which candidate token.
 
@@ -402,7 +403,8 @@ def collate(
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}; known: {', '.join(LAYOUTS)}")
     plan = _Plan(max_c=max(len(e.candidates) for e in items))
-    if family == "causal" and layout == "packed":
+    family = as_family(family)
+    if family.packs and layout == "packed":
         _plan_packed(items, plan)
     else:
         _plan_rows(items, family, mask_id, plan)
@@ -434,10 +436,10 @@ def collate(
     )
 
 
-def lm_parts(model: nn.Module, family: str) -> tuple[nn.Module, nn.Module]:
+def lm_parts(model: nn.Module, family: Family | str) -> tuple[nn.Module, nn.Module]:
     """(backbone, head): hidden states from the backbone, vocabulary logits from the head at chosen positions."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
-    if family == "causal":
+    if not as_family(family).reads_mask:  # the decoder's hidden states, its output embeddings
         return base.get_decoder(), base.get_output_embeddings()
     head = getattr(base, "lm_head", None) or getattr(base, "cls", None)
     if head is None:
@@ -474,7 +476,7 @@ def block_attention_mask(batch: Batch, attention: str, dtype: torch.dtype) -> to
     return additive.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
-def _hidden_states(model: nn.Module, batch: Batch, family: str) -> tuple[torch.Tensor, nn.Module]:
+def _hidden_states(model: nn.Module, batch: Batch, family: Family) -> tuple[torch.Tensor, nn.Module]:
     backbone, head = lm_parts(model, family)
     if not batch.packed:
         out = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
@@ -486,14 +488,15 @@ def _hidden_states(model: nn.Module, batch: Batch, family: str) -> tuple[torch.T
     return out.last_hidden_state, head
 
 
-def candidate_scores(model: nn.Module, batch: Batch, family: str) -> torch.Tensor:
+def candidate_scores(model: nn.Module, batch: Batch, family: Family | str) -> torch.Tensor:
     """(B, max_candidates) scores: mean token log-likelihood (causal) or label-word logit (masked); -inf pads."""
     if batch.packed and not packing_supported(model, batch.input_ids.shape[1]):
         batch = batch.as_rows()
+    family = as_family(family)
     hidden, head = _hidden_states(model, batch, family)
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.positions)
     logits = head(picked).float()  # the vocabulary projection, once per scored position
-    if family == "causal":
+    if not family.reads_mask:  # a candidate's tokens: log-likelihoods (a label word: its logit)
         logits = torch.log_softmax(logits, dim=-1)
     token_scores = logits[batch.token_position, batch.targets]
     num_c = batch.candidate_length.shape[0]
@@ -543,14 +546,14 @@ def objective_loss(
     return lm_loss(scores, gold, reduction, lengths)
 
 
-def batch_loss(model: nn.Module, batch: Batch, family: str, objective: str = "classification",
+def batch_loss(model: nn.Module, batch: Batch, family: Family | str, objective: str = "classification",
                token_weighted: bool = False) -> torch.Tensor:
     lengths = gold_lengths(batch) if token_weighted and objective != "classification" else None
     return objective_loss(candidate_scores(model, batch, family), batch.gold, objective, lengths=lengths)
 
 
 def replica_losses(
-    model: nn.Module, batch: Batch, family: str, replicas: int, objective: str = "classification",
+    model: nn.Module, batch: Batch, family: Family | str, replicas: int, objective: str = "classification",
     token_weighted: bool = False,
 ) -> torch.Tensor:
     """(replicas,) training losses from one forward over ``replicas`` copies of ``batch`` (``Batch.repeat``).
@@ -579,7 +582,7 @@ class Scorer:
     """
 
     model: nn.Module
-    family: str = "causal"  # causal | masked
+    family: Family = CAUSAL  # a name (causal, masked) is resolved to its Family
     pad_id: int = 0
     mask_id: int | None = None  # masked LMs: the mask token the label word is read at
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
@@ -590,10 +593,13 @@ class Scorer:
     tokenizer: Any = None  # what ``encode`` tokenises with; None for a scorer of already encoded examples
 
     @classmethod
-    def of(cls, model: nn.Module, tokenizer: Any, family: str = "causal", device: torch.device | str = "cpu",
+    def of(cls, model: nn.Module, tokenizer: Any, family: Family | str = CAUSAL, device: torch.device | str = "cpu",
            objective: Objective | None = None) -> "Scorer":
         return cls(model, family, tokenizer.pad_token_id, getattr(tokenizer, "mask_token_id", None),
                    torch.device(device), objective or Objective(), tokenizer=tokenizer)
+
+    def __post_init__(self) -> None:
+        self.family = as_family(self.family)  # chosen once: a name becomes its Family here
 
     def encode(self, examples: Sequence[Example], max_length: int) -> list[Encoded]:
         """Token ids of ``examples`` as this family scores them, cut to ``max_length`` (``encode``)."""

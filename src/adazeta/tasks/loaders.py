@@ -450,7 +450,7 @@ def validate_local_rows(task: BoundTask, data: DataConfig, with_train: bool) -> 
     splits = ["eval"]
     if with_train or split_available(task, "train", data):
         splits.insert(0, "train")
-        if task.family == "masked" and local.kshot:
+        if task.family.kshot_data and local.kshot:
             splits.insert(1, "dev")
     total = 0
     for split in splits:
@@ -548,7 +548,7 @@ def load_task(task: BoundTask, data: DataConfig, seed: int, need_train: bool = T
     else:
         log.info("task %s: no train split; a training-free run goes on without it (and without a dev set drawn "
                  "from it)", spec.name)
-    if task.family == "masked":
+    if task.family.kshot_data:
         return _load_kshot(task, data, make, train_rows)
     data_seed = seed if data.seed is None else data.seed
     eval_rows = split_rows(task, "eval", data)

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from adazeta.errors import ConfigError
+from adazeta.tasks.family import FAMILIES, Family
+from adazeta.tasks.family import family as as_family
 from adazeta.registry import HOOKS
 
 METRICS = ("accuracy", "f1")
@@ -32,7 +34,6 @@ METRICS = ("accuracy", "f1")
 # (COPA, ReCoRD); generation: lm loss for training, greedy generation scored by F1 / exact match (SQuAD, DROP).
 OBJECTIVES = ("classification", "lm", "generation")
 LOCAL_FORMATS = ("jsonl", "tsv", "csv")
-FAMILIES = ("causal", "masked")
 
 
 @dataclass
@@ -133,7 +134,7 @@ class TaskSpec:
             self.local = LocalSource(**self.local)
         if isinstance(self.masked_data, dict):
             self.masked_data = MaskedData(**self.masked_data)
-        for fam in FAMILIES:
+        for fam in FAMILIES:  # each family's prompt format is the task's key of its name
             value = getattr(self, fam)
             if isinstance(value, dict):
                 setattr(self, fam, PromptFormat(**value))
@@ -158,12 +159,12 @@ class TaskSpec:
             raise ConfigError(f"{where} has a causal format but no `hub` or `local` data source")
         if self.masked and not (self.masked_data and (self.masked_data.hub or self.masked_data.local)):
             raise ConfigError(f"{where} has a masked format but no `masked_data` with a `hub` or `local` source")
-        for fam in FAMILIES:
-            fmt = getattr(self, fam)
+        for fam in FAMILIES.values():
+            fmt = getattr(self, fam.name)
             if fmt:
                 self._check_format(fam, fmt)
 
-    def _check_format(self, family: str, fmt: PromptFormat) -> None:
+    def _check_format(self, family: Family, fmt: PromptFormat) -> None:
         """Fail at start-up on a template that could only fail at render time."""
         where = f"task {self.name!r}: {family}"
         if fmt.hook:
@@ -176,7 +177,7 @@ class TaskSpec:
                 f"{where}.candidates has {len(fmt.candidates)} entries but labels has {len(self.labels)}; "
                 "give one candidate per label, in label order"
             )
-        allowed = set(self.text_fields) | ({"mask"} if family == "masked" else set())
+        allowed = set(self.text_fields) | ({"mask"} if family.reads_mask else set())
         for name, _ in template_fields(fmt.template, f"{where}.template"):
             if name not in allowed:
                 raise ConfigError(
@@ -189,21 +190,22 @@ class TaskSpec:
                 f"{where}.template={fmt.template!r} uses none of text_fields ({', '.join(self.text_fields)}), so "
                 f"every example would get the same prompt; put {{{self.text_fields[0]}}} in it"
             )
-        if family == "masked" and "mask" not in used:
+        if family.reads_mask and "mask" not in used:
             raise ConfigError(f"{where}.template has no {{mask}}; a masked template needs the mask position")
 
-    def for_family(self, family: str, mask_token: str | None = None) -> "BoundTask":
+    def for_family(self, family: Family | str, mask_token: str | None = None) -> "BoundTask":
         """The task as ``family``'s models see it: its protocol's sources and its prompt format, resolved once.
 
         ``mask_token``: a masked model's tokenizer fills ``{mask}`` with it; unknown before the tokenizer loads, so
         the checks before loading bind without it and ``BoundTask.with_mask`` adds it.
         """
-        fmt = getattr(self, family, None)
+        family = as_family(family)
+        fmt = getattr(self, family.name, None)
         if fmt is None:
             raise ConfigError(
                 f"task {self.name!r} has no prompt format for {family} models; pick another task or model"
             )
-        if family == "masked":
+        if family.kshot_data:
             hub, local = self.masked_data.hub, self.masked_data.local  # type: ignore[union-attr]
         else:
             hub, local = self.hub, self.local
@@ -251,7 +253,7 @@ class BoundTask:
     """
 
     spec: TaskSpec
-    family: str  # causal | masked
+    family: Family
     format: PromptFormat
     hub: HubSource | None
     local: LocalSource | None
@@ -274,9 +276,9 @@ class BoundTask:
         spec, fmt = self.spec, self.format
         if fmt.hook:
             example = HOOKS.get(fmt.hook).builder(spec, fmt, row, gold)
-            return _lstrip(example) if self.family == "causal" else example
+            return _lstrip(example) if self.family.strips_hook_prompt else example
         values = dict(row)
-        if self.family == "masked":
+        if self.family.reads_mask:
             if self.mask_token is None:
                 raise ConfigError(f"task {spec.name!r}: masked template needs the tokenizer's mask token")
             values["mask"] = self.mask_token
