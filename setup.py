@@ -1,11 +1,20 @@
-"""The package's file list (everything else is in pyproject.toml): the library under src/, and the config tree
-conf/ shipped inside it as ``adazeta/conf``, so that an installed package (a wheel, ``pip install .``) runs without
-a checkout. In a checkout, ``adazeta.paths.config_dir`` reads conf/ in place."""
+"""The package's file list (everything else is in pyproject.toml): the library under src/, the config tree conf/
+shipped inside it as ``adazeta/conf`` (each folder of it a data package, so that setuptools copies every YAML), and
+the published numbers results/paper_numbers.csv as ``adazeta/reference``, so that an installed package (a wheel,
+``pip install .``) runs and makes its tables without a checkout. In a checkout, ``adazeta.paths.config_dir`` reads
+conf/ in place."""
+
+from pathlib import Path
 
 from setuptools import find_packages, setup
 
+HERE = Path(__file__).parent
+CONF = ["adazeta.conf", *sorted("adazeta.conf." + ".".join(p.relative_to(HERE / "conf").parts)
+                                for p in (HERE / "conf").rglob("*") if p.is_dir() and any(p.glob("*.yaml")))]
+
 setup(
-    packages=[*find_packages("src"), "adazeta.conf"],
-    package_dir={"": "src", "adazeta.conf": "conf"},
-    package_data={"adazeta": ["py.typed"], "adazeta.conf": ["*.yaml", "**/*.yaml"]},
+    packages=[*find_packages("src"), *CONF, "adazeta.reference"],
+    package_dir={"": "src", "adazeta.conf": "conf", "adazeta.reference": "results"},
+    package_data={"adazeta": ["py.typed"], **{name: ["*.yaml"] for name in CONF},
+                  "adazeta.reference": ["paper_numbers.csv"]},
 )

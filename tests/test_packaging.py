@@ -34,10 +34,12 @@ def installed(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     # This environment's setuptools when it is recent enough (offline), else pip's isolated build (the registry).
     isolation = ["--no-build-isolation"] if _setuptools_at_least(68) else []
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(out), str(ROOT)],
-                   check=True, capture_output=True)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-w", str(out), str(ROOT)],
+                           check=True, capture_output=True, text=True)
+    assert "Warning" not in built.stdout + built.stderr, (built.stdout + built.stderr)[-3000:]  # a quiet build
     wheel = next(out.glob("adazeta-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
+    assert "adazeta/reference/paper_numbers.csv" in names  # make_tables' published numbers, outside a checkout
     shipped = {n.removeprefix("adazeta/conf/") for n in names if n.startswith("adazeta/conf/")}
     assert shipped == {str(p.relative_to(ROOT / "conf")) for p in (ROOT / "conf").rglob("*.yaml")}
     # The tools ship too (find_packages finds adazeta.tools and adazeta.tools.bench): every module of the checkout.
@@ -75,6 +77,12 @@ def test_the_installed_wheel_runs_outside_the_checkout(installed, fixture_data, 
                          f"hydra.run.dir={tmp_path / 'run'}")
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "finished"
+    # the tables, outside the checkout: the published numbers come with the package
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed), *site.getsitepackages()])}
+    tables = subprocess.run([sys.executable, "-m", "adazeta.tools.make_tables", "--results", str(tmp_path),
+                             "--out", str(tmp_path / "tables"), "--figures", str(tmp_path / "figures")],
+                            cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    assert tables.returncode == 0, tables.stderr[-2000:]
 
 
 def test_a_users_config_folder_adds_a_task(installed, fixture_data, tmp_path):

@@ -17,7 +17,8 @@ from pathlib import Path
 from adazeta.paths import config_dir
 from adazeta.errors import ConfigError
 from adazeta.experiments import compose_experiment, design_of
-from adazeta.tools.tables import build_table, load_paper_numbers, load_results, select_on_dev, to_latex, to_markdown
+from adazeta.tools.tables import (build_table, load_paper_numbers, load_results, paper_numbers_file, select_on_dev,
+                                  to_latex, to_markdown)
 from adazeta.tools.endpoints.matrix import report
 
 
@@ -50,7 +51,8 @@ def matrix_experiments() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", nargs="+", type=Path, default=[Path("results", "runs")])
-    parser.add_argument("--paper", type=Path, default=Path("results", "paper_numbers.csv"))
+    parser.add_argument("--paper", type=Path, default=None,
+                        help="the published numbers (default: results/paper_numbers.csv, else the packaged copy)")
     parser.add_argument("--out", type=Path, default=Path("results", "tables"))
     parser.add_argument("--figures", type=Path, default=Path("results", "figures"),
                         help="where a task-matrix experiment's figure per task goes")
@@ -58,6 +60,7 @@ def main() -> None:
 
     try:
         results = load_results([p for p in args.results if p.exists()])
+        args.paper = args.paper or paper_numbers_file()
         paper = load_paper_numbers(args.paper)
     except ConfigError as err:
         print(f"make_tables: error: {err}", file=sys.stderr)

@@ -192,6 +192,14 @@ MARKS = "ᵃᵇᶜᵈᵉᶠᵍʰⁱʲᵏˡᵐⁿᵒᵖʳˢᵗᵘᵛʷˣʸᶻ"
 MARK_LETTERS = "abcdefghijklmnoprstuvwxyz"
 
 
+def paper_numbers_file() -> Path:
+    """results/paper_numbers.csv under the current folder (a checkout), else the copy an installed package ships
+    (``adazeta/reference``, setup.py)."""
+    here = Path("results", "paper_numbers.csv")
+    packaged = Path(__file__).resolve().parents[1] / "reference" / "paper_numbers.csv"
+    return here if here.is_file() or not packaged.is_file() else packaged
+
+
 def load_paper_numbers(path: Path) -> pd.DataFrame:
     """The published numbers, checked row by row: a bad row stops with one line naming the file and its line."""
     path = Path(path)
