@@ -307,8 +307,21 @@ def main() -> None:
         _checked_main()
     except KeyboardInterrupt:
         remove_unused_run_dir()  # Hydra may have made the run's folder: it holds nothing yet
-        print(STARTUP_INTERRUPTED, file=sys.stderr)
+        print(STARTUP_INTERRUPTED, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        if _own_process():  # the command's own process (not a caller's, as in tests)
+            # Not sys.exit: CPython ends a process whose KeyboardInterrupt reached its top level by killing itself
+            # with SIGINT (status -2, not 130), and a library's handling on the way out can leave that mark. Nothing
+            # is written yet (the run had not begun), so an immediate exit loses nothing.
+            os._exit(128 + signal.SIGINT.value)
         sys.exit(128 + signal.SIGINT.value)
+
+
+def _own_process() -> bool:
+    """Whether this process is the command itself (``adazeta-run``, or ``python -m adazeta.cli``, whose ``main``
+    runs in the imported module), not a program that called ``main``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return _COMMAND or (spec is not None and spec.name == "adazeta.cli")
 
 
 def _checked_main() -> None:
