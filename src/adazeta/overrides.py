@@ -582,6 +582,33 @@ def _config_tree(config_dir: str) -> str | None:
     return None
 
 
+def _blame(source: Source, base: list[str], error: Exception) -> str:
+    """The line for a command whose overrides ``base`` fail to compose with ``error``: the first override that fails
+    with the ones before it, explained."""
+    for n in range(1, len(base) + 1):
+        err = _compose_error(source, base[:n])
+        if err is not None:
+            return explain(err, base[n - 1], source, base[: n - 1])
+    return explain(error, base[-1], source, base[:-1])
+
+
+def _composing_values(source: Source, parser: Any, base: list[str], sweep: Any) -> tuple[list[str], list[str]]:
+    """The values of a swept key that compose with ``base``, and a line for each that does not (an unknown group
+    option, or a compose error)."""
+    key = sweep.get_key_element()
+    choice = _group_choice(source, sweep)
+    good, bad = [], []
+    for value in sweep.sweep_string_iterator():
+        one = f"{key}={value}"
+        one_problem = _group_choice(source, parser.parse_overrides([one])[0]) if choice else None
+        err = None if one_problem else _compose_error(source, base + [one])
+        if one_problem is None and err is None:
+            good.append(value)
+        else:
+            bad.append(one_problem or explain(err, one, source, base))
+    return good, bad
+
+
 def check(argv: list[str], config_dir: str) -> Checked:
     """Read the flags, compose the overrides (each sweep value on its own) and report what would fail, one line each."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -622,12 +649,7 @@ def check(argv: list[str], config_dir: str) -> Checked:
             return Checked(list(argv), errors=[problem])
     error = _compose_error(source, base)
     if error is not None:
-        # Find the override to blame: the first one that fails with the ones before it.
-        for n in range(1, len(base) + 1):
-            err = _compose_error(source, base[:n])
-            if err is not None:
-                return Checked(list(argv), errors=[explain(err, base[n - 1], source, base[: n - 1])])
-        return Checked(list(argv), errors=[explain(error, base[-1], source, base[:-1])])
+        return Checked(list(argv), errors=[_blame(source, base, error)])
     problem = _added_unknown(parsed, source, base)
     if problem is None and ns.cfg:
         problem = _package(ns, source, base)
@@ -646,16 +668,8 @@ def check(argv: list[str], config_dir: str) -> Checked:
     where: list[int] = []  # the position of each in the command line (a key may be swept twice: the last wins)
     for sweep in sweeps:
         key = sweep.get_key_element()
-        problem = _group_choice(source, sweep)
-        good = []
-        for value in sweep.sweep_string_iterator():
-            one = f"{key}={value}"
-            one_problem = _group_choice(source, parser.parse_overrides([one])[0]) if problem else None
-            err = None if one_problem else _compose_error(source, base + [one])
-            if one_problem is None and err is None:
-                good.append(value)
-            else:
-                dropped.append(one_problem or explain(err, one, source, base))
+        good, bad = _composing_values(source, parser, base, sweep)
+        dropped += bad
         if not good:
             return Checked(list(argv), errors=dropped)
         new_overrides[overrides.index(sweep.input_line)] = f"{key}={','.join(good)}"

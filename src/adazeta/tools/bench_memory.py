@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from adazeta.tools.offline import use_shared
 
@@ -99,6 +100,33 @@ def row_overrides(row: str) -> list[str]:
     return [f"method={row}"]
 
 
+def _start_peak(device: Any) -> tuple[str, float, float]:
+    """Reset the peak this row reads: (how it is measured, the process's RSS in MB, the measure's start in MB)."""
+    import torch
+
+    _release_free_heap()
+    rss_start = (status_kib("VmRSS") or 0) / 1024
+    measure = "cuda_peak_allocated" if device.type == "cuda" else ("rss_hwm" if reset_rss_peak() else "ru_maxrss")
+    start_mb = rss_start
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start_mb = torch.cuda.memory_allocated(device) / 2**20
+    return measure, rss_start, start_mb
+
+
+def _peak(measure: str, device: Any) -> tuple[float, float]:
+    """(the peak in MB by ``measure`` since ``_start_peak``, the process's lifetime peak RSS in MB)."""
+    import torch
+
+    process_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    if measure == "cuda_peak_allocated":
+        return torch.cuda.max_memory_allocated(device) / 2**20, process_peak
+    if measure == "rss_hwm":
+        return status_kib("VmHWM") / 1024, process_peak
+    return process_peak, process_peak
+
+
 def worker(method: str, args: argparse.Namespace) -> dict:
     """Build one row's model, optimizer and batch (``adazeta.build.build``); measure ``args.steps`` steps. Runs in
     its own process."""
@@ -149,14 +177,7 @@ def worker(method: str, args: argparse.Namespace) -> dict:
         else:
             float(first_order_step(scorer, optimizer, items))
 
-    _release_free_heap()
-    rss_start = (status_kib("VmRSS") or 0) / 1024
-    measure = "cuda_peak_allocated" if device.type == "cuda" else ("rss_hwm" if reset_rss_peak() else "ru_maxrss")
-    start_mb = rss_start
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start_mb = torch.cuda.memory_allocated(device) / 2**20
+    measure, rss_start, start_mb = _start_peak(device)
     forwards_before = getattr(optimizer, "forward_passes", 0)
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -166,13 +187,7 @@ def worker(method: str, args: argparse.Namespace) -> dict:
     elapsed = (time.perf_counter() - start) / args.steps
     # forwards a step: the ZO optimizer's count; a first-order step or an inference: one forward (plus a backward)
     forwards = (optimizer.forward_passes - forwards_before) / args.steps if zo else 1
-    process_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-    if measure == "cuda_peak_allocated":
-        peak = torch.cuda.max_memory_allocated(device) / 2**20
-    elif measure == "rss_hwm":
-        peak = status_kib("VmHWM") / 1024
-    else:
-        peak = process_peak
+    peak, process_peak = _peak(measure, device)
     return {
         "method": method,
         "trainable_params": trainable,
