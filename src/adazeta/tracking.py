@@ -247,7 +247,7 @@ def show_progress() -> bool:
 # call that triggers them is ours or another library's): (category, message regex, warning module regex). Shown
 # with verbose=true; add one here, at its source, rather than filtering warnings anywhere else.
 THIRD_PARTY_WARNINGS = (
-    # transformers 4.5x renamed it; peft (LoRA) still asks for the old name on every run.
+    # transformers 4.5x renamed it; peft up to 0.21 (LoRA) asks for the old name on every run.
     (FutureWarning, r"`is_gradient_checkpointing` is deprecated", r"transformers(\.|$)"),
     # peft sets fan_in_fan_out itself for the module types that need it, and says so.
     (UserWarning, r"fan_in_fan_out is set to", r"peft(\.|$)"),
