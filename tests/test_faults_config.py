@@ -99,6 +99,14 @@ CASES = [
     ([], ["hydra/launcher=joblb"], "hydra/launcher has no option 'joblb'; known: basic, joblib, submitit_local, "
                                    "submitit_slurm; did you mean 'joblib'?"),
     ([], ["hydra/sweeper=basik"], "hydra/sweeper has no option 'basik'; known: basic"),
+    # a misspelled group, Hydra's or ours, and a misspelled top-level name: the nearest of keys and groups
+    ([], ["hydra/launchr=joblib"], "no config group 'hydra/launchr'; known: hydra/env, "),
+    ([], ["hydra/launchr=joblib"], "did you mean 'hydra/launcher'?"),
+    ([], ["optimzer@method.optimizer=zo_adam"], "did you mean 'optimizer'?"),
+    ([], ["methd/x=y"], "no config group 'methd/x'"),
+    ([], ["adaptr=tt"], "the config has no key or group 'adaptr'; keys: data, "),
+    ([], ["adaptr=tt"], "did you mean 'adapter'?"),
+    ([], ["sed=3"], "did you mean 'seed'?"),
     # a run directory the process cannot create, even as root (os.access says yes to root)
     ([], ["hydra.run.dir=/proc/adazeta-run"], "cannot write the run directory: cannot create a folder in /proc"),
     # a learning rate that never moves a weight, for every optimizer

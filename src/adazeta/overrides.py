@@ -334,9 +334,11 @@ def explain(error: Exception, override: str, source: Source, base: list[str]) ->
         where = f"{mark.name} line {mark.line + 1}" if mark is not None else "a config file"
         what = "; ".join(p for p in (broken.context, broken.problem) if p)
         return f"{override}: {where} is not valid YAML ({what}); fix that file"
-    if isinstance(error, MissingConfigException) or "Could not find" in text:
-        group = key.split("@")[0]
-        options = source.options(group)
+    group = key.split("@")[0]
+    missing_group = (("/" in group and ("not in struct" in text or "Could not override" in text))  # hydra/launchr=
+                     or "looks like a config group override, but config group" in text)  # optimzer@method.x=
+    if isinstance(error, MissingConfigException) or "Could not find" in text or missing_group:
+        options = [] if missing_group else source.options(group)
         if options:
             return f"{override}: {group} has no option {value!r}; known: {', '.join(options)}{_suggest(value, options)}"
         groups = source.hydra_groups() if group.startswith("hydra/") else _groups(source)
@@ -348,9 +350,12 @@ def explain(error: Exception, override: str, source: Source, base: list[str]) ->
     if "not in struct" in text or "Could not override" in text or "Could not append" in text:
         parent, _, leaf = key.rpartition(".")
         known = _keys_at(source, base, parent)
+        if known is not None and not parent:  # a top-level name: a key or a config group, misspelled
+            groups = _groups(source)
+            return (f"{override}: the config has no key or group {leaf!r}; keys: {', '.join(known)}; groups: "
+                    f"{', '.join(groups)}{_suggest(leaf, [*known, *groups])}")
         if known is not None:
-            where = parent or "the config"
-            return (f"{override}: {where} has no key {leaf!r}; known: {', '.join(known)}{_suggest(leaf, known)}")
+            return f"{override}: {parent} has no key {leaf!r}; known: {', '.join(known)}{_suggest(leaf, known)}"
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
     return f"{override}: {first}"
 
