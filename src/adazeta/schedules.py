@@ -98,8 +98,24 @@ def _fail(field: str, value: object, allowed: str) -> None:
     raise ConfigError(f"schedule.{field}={value!r} must be {allowed}")
 
 
+class ScheduleConfig:
+    """What the wiring may ask of a schedule, declared on its config class (every registered schedule's base).
+
+    ``uses_run_epochs``: its builder reads the run's length E (``num_epochs``), so a run with a forward-pass
+    budget builds it for the epochs the budget reaches (``adazeta.build.run_length``); a schedule of the epoch
+    index alone leaves it False. ``max_queries``: the most queries a step takes (the dry run's memory estimate
+    sizes a step by it).
+    """
+
+    uses_run_epochs: ClassVar[bool] = False
+
+    @property
+    def max_queries(self) -> int:
+        raise NotImplementedError(f"{type(self).__name__} must declare max_queries")
+
+
 @dataclasses.dataclass
-class ConstantConfig:
+class ConstantConfig(ScheduleConfig):
     """A fixed number of queries per step."""
 
     q: int = 1  # queries per step; each costs two forwards
@@ -115,7 +131,7 @@ class ConstantConfig:
 
 
 @dataclasses.dataclass
-class AdaptiveConfig:
+class AdaptiveConfig(ScheduleConfig):
     """The paper's schedule Q_k = min(alpha * e_k^beta, Q_max); its Llama-2-7B values are the defaults."""
 
     alpha: float = 0.85  # scale; with alpha < 1, Q stays 1 for the first few epochs
@@ -136,7 +152,7 @@ class AdaptiveConfig:
 
 
 @dataclasses.dataclass
-class AdaptiveOfficialConfig:
+class AdaptiveOfficialConfig(ScheduleConfig):
     """The reference code's schedule: beta derived so that alpha * E^beta = q_target at the last epoch E."""
 
     # Its builder reads the run's length E (num_epochs): under a forward-pass budget the run derives E from the

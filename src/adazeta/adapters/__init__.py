@@ -16,13 +16,20 @@ class AdapterCapabilities:
     ``trains``: the method trains some parameters (False: a training-free method); ``trains_backbone``: the model's
     own weights are the trainable set (full fine-tuning, MeZO), so they keep the backbone's dtype and a batched-query
     forward cannot give each replica its own copy; ``replicable``: the adapter runs weight replicas in one forward
-    (batched queries); ``takes_model_shapes``: the model YAML's reference TT shapes apply to it.
+    (batched queries); ``takes_model_shapes``: the model YAML's reference TT shapes apply to it (its config has
+    ``shape_down`` and ``shape_up``); ``takes_sites``: it is placed on sites, so the model YAML's placement table
+    applies to it when its own ``targets`` are None (its config has ``targets`` and ``placement``).
     """
 
     trains: ClassVar[bool] = True
     trains_backbone: ClassVar[bool] = False
     replicable: ClassVar[bool] = True
     takes_model_shapes: ClassVar[bool] = False
+    takes_sites: ClassVar[bool] = False
+
+    def check_hidden(self, hidden_size: int) -> None:
+        """Raise ConfigError when the config cannot fit a model of ``hidden_size`` (checked from the model YAML,
+        before any model loads); the default has nothing to check."""
 
     def check_ready(self) -> None:
         """Raise ConfigError when a run cannot use this config as it stands (checked before any model loads; a

@@ -9,6 +9,8 @@ usual near-identity start of adapter tuning; the TT adapter's reference init is 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
+
 import torch
 from torch import Tensor, nn
 
@@ -21,6 +23,8 @@ from adazeta.errors import ConfigError
 @dataclasses.dataclass
 class BottleneckAdapterConfig(AdapterCapabilities):
     """Config of the dense bottleneck adapter; validated on construction."""
+
+    takes_sites: ClassVar[bool] = True  # conf/model/*.yaml's placements, unless `targets` names its own
 
     bottleneck: int = 64  # b: width of the adapter's hidden layer; 2*H*b + H + b parameters per adapter
     activation: str = "relu"  # the nonlinearity between down and up (ACTIVATIONS)

@@ -56,6 +56,7 @@ class TTAdapterConfig(AdapterCapabilities):
     """Config of AdaZeta's TT adapter; validated on construction."""
 
     takes_model_shapes: ClassVar[bool] = True  # conf/model/*.yaml's tt_shapes (e.g. [8,8,16,8,8] on RoBERTa-Large)
+    takes_sites: ClassVar[bool] = True  # conf/model/*.yaml's placements, unless `targets` names its own
 
     bottleneck: int = 64  # b: width of the adapter's hidden layer
     rank: int = 5  # inner TT rank r of both projections; parameters grow as r^2
