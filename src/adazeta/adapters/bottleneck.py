@@ -50,6 +50,18 @@ class BottleneckAdapterConfig(AdapterCapabilities):
         if self.targets is not None:
             check_targets(self.targets, "method.adapter.targets")
 
+    def count_trainable(self, backbone: nn.Module) -> int:
+        """At each site of width H: down (H x b) and up (b x H) with their biases, 2 H b + H + b."""
+        total = 0
+        for base, position in resolve_sites(backbone, self.targets, self.placement).values():
+            fan_in, fan_out = linear_features(base)
+            features = fan_in if position == "input" else fan_out
+            total += 2 * features * self.bottleneck + features + self.bottleneck
+        return total
+
+    def count_modules(self, model: nn.Module) -> int:
+        return count_bottleneck_adapters(model)
+
 
 class BottleneckAdapter(nn.Module):
     """``h -> h + up(act(down(h)))`` with dense fp32 projections, computed in fp32 whatever the dtype of h."""
