@@ -33,3 +33,35 @@ def test_capabilities_are_declared_on_every_registered_config_and_agree_with_the
 
     with pytest.raises(ConfigError, match="declares zeroth_order=False but the built Liar says True"):
         check_contract("adamw", Liar(), OPTIMIZERS.get("adamw").config_cls())
+
+
+def test_every_capability_the_wiring_reads_is_declared_with_its_default_on_the_base_classes():
+    """The wiring calls a config's capability directly (adazeta.build, adazeta.settings): each base class declares
+    it with a default, and each registered config that overrides it holds the fields the capability promises."""
+    import dataclasses
+
+    from adazeta.adapters import ADAPTERS, AdapterCapabilities
+    from adazeta.optim import OPTIMIZERS, OptimizerCapabilities
+    from adazeta.schedules import SCHEDULES, ScheduleConfig
+
+    AdapterCapabilities().check_hidden(4096)  # the default has nothing to check
+    assert not AdapterCapabilities.takes_sites and not ScheduleConfig.uses_run_epochs
+    for name in ADAPTERS.names():
+        cls = ADAPTERS.get(name).config_cls
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if cls.takes_sites:
+            assert {"targets", "placement"} <= fields, name
+        if cls.takes_model_shapes:
+            assert {"shape_down", "shape_up"} <= fields, name
+    assert ADAPTERS.get("tt").config_cls.takes_sites and not ADAPTERS.get("lora").config_cls.takes_sites
+    for name in OPTIMIZERS.names():
+        cfg = OPTIMIZERS.get(name).config_cls()
+        assert "lr" in {f.name for f in dataclasses.fields(cfg)}, name
+        assert isinstance(cfg.derivative_free, bool) and (cfg.derivative_free <= cfg.zeroth_order), name
+    assert not OptimizerCapabilities().derivative_free  # first-order by default
+    assert OPTIMIZERS.get("zo_sgd").config_cls().derivative_free
+    assert not OPTIMIZERS.get("forward_grad").config_cls().derivative_free  # a jvp differentiates the loss
+    for name in SCHEDULES.names():
+        cfg = SCHEDULES.get(name).config_cls()
+        assert isinstance(cfg, ScheduleConfig) and cfg.max_queries >= 1, name
+    assert [n for n in SCHEDULES.names() if SCHEDULES.get(n).config_cls.uses_run_epochs] == ["adaptive_official"]

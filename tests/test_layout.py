@@ -294,3 +294,104 @@ def test_the_family_is_an_object_no_module_compares_its_name():
 ])
 def test_the_family_comparison_reader_sees_every_form(source, hits):
     assert len(family_comparisons(source)) == hits
+
+
+# What the wiring asks of a piece is declared on its config's base class (``AdapterCapabilities``,
+# ``OptimizerCapabilities``, ``ScheduleConfig``) and called directly; a probe would let a capability live on one
+# config alone, undeclared, with a default the caller invents. A transformers model's own config (a
+# PretrainedConfig, whose keys differ by architecture) is third-party and may be probed: these are the reviewed ones.
+THIRD_PARTY_CONFIG_PROBES = {
+    "models.py": {"module.config"},  # a loaded transformers model: is it quantized?
+    "scoring.py": {"config"},  # the transformers model's config: may its rows be packed?
+    "adapters/basic.py": {"base.config"},  # does the transformers model tie its head?
+    "adapters/lora.py": {"model.config"},  # the transformers model type, for peft's default targets
+}
+CONFIG_TYPE = re.compile(r"\b\w*Config\b")
+
+
+def _is_config_value(value: ast.AST) -> bool:
+    """A ``<...>.config`` attribute chain, or a call of a ``*Config`` class."""
+    if isinstance(value, ast.Attribute):
+        return value.attr == "config"
+    if isinstance(value, ast.Call):
+        func = value.func
+        return bool(re.fullmatch(r"\w*Config", func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")))
+    return False
+
+
+def config_names(tree: ast.AST) -> set[str]:
+    """The names ``tree`` binds to a config: a parameter or variable annotated with a ``*Config`` type, or assigned
+    a ``.config`` chain or a ``*Config(...)`` call (anywhere in the module: a name is read as one thing throughout)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            names.update(arg.arg for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg)
+                         if arg is not None and arg.annotation is not None
+                         and CONFIG_TYPE.search(ast.unparse(arg.annotation)))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if CONFIG_TYPE.search(ast.unparse(node.annotation)) or (node.value is not None
+                                                                     and _is_config_value(node.value)):
+                names.add(node.target.id)
+        elif isinstance(node, (ast.Assign, ast.NamedExpr)) and _is_config_value(node.value):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
+def config_probes(source: str) -> list[tuple[str, str]]:
+    """(the probed object as written, the call) of each ``hasattr(x, ...)`` and three-argument ``getattr(x, name,
+    default)`` in ``source`` whose ``x`` is a config: an attribute chain ending in ``.config`` or a name bound to a
+    config (``config_names``). A two-argument getattr reads a field it names; it invents no default."""
+    tree = ast.parse(source)
+    names = config_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
+            continue
+        if node.func.id == "hasattr" or (node.func.id == "getattr" and len(node.args) == 3):
+            x = node.args[0]
+            if (isinstance(x, ast.Attribute) and x.attr == "config") or (isinstance(x, ast.Name) and x.id in names):
+                found.append((ast.unparse(x), ast.unparse(node)))
+    return found
+
+
+def test_the_wiring_asks_a_config_its_declared_capabilities_and_never_probes_one():
+    """Every library module outside tools/ is read: the wiring proper (build, settings, dryrun, run, train, cli,
+    hf, probe, ...) and the packages of pieces (adapters, optim, schedules, tasks), since a piece's module may wire
+    another piece (LoRA's head, an optimizer's contract); tools/ are commands over runs and records, which no run
+    imports. Probes on third-party objects are fine (a tokenizer's ``mask_token``, a transformers model, its
+    PretrainedConfig in ``THIRD_PARTY_CONFIG_PROBES``); a config of ours declares the capability on its base class
+    (``AdapterCapabilities.check_hidden``, ``OptimizerCapabilities.derivative_free``,
+    ``ScheduleConfig.uses_run_epochs``) and the caller calls it."""
+    offenders = []
+    for path in library_modules():
+        rel = path.relative_to(PACKAGE).as_posix()
+        allowed = THIRD_PARTY_CONFIG_PROBES.get(rel, set())
+        offenders += [f"{rel}: {call}" for obj, call in config_probes(path.read_text()) if obj not in allowed]
+    assert not offenders, ("; ".join(offenders) + ": declare the capability on the config's base class (with its "
+                           "default) and call it directly")
+    # each reviewed third-party probe is still there: a stale entry would silently allow a probe of ours
+    for rel, objects in THIRD_PARTY_CONFIG_PROBES.items():
+        assert objects <= {obj for obj, _ in config_probes((PACKAGE / rel).read_text())}, rel
+
+
+@pytest.mark.parametrize("source,found", [
+    ("if hasattr(s.adapter.config, 'check_hidden'):\n    pass", ["hasattr(s.adapter.config, 'check_hidden')"]),
+    ("x = getattr(s.optimizer.config, 'estimator', None)", ["getattr(s.optimizer.config, 'estimator', None)"]),
+    ("lr = getattr(optimizer.config, 'lr', None)", ["getattr(optimizer.config, 'lr', None)"]),
+    ("adapter = settings.adapter.config\nok = getattr(adapter, 'targets', False)", ["getattr(adapter, 'targets', False)"]),
+    ("def f(cfg: ZOSGDConfig):\n    return hasattr(cfg, 'eps')", ["hasattr(cfg, 'eps')"]),
+    ("def f(cfg: 'TTAdapterConfig | None'):\n    return hasattr(cfg, 'rank')", ["hasattr(cfg, 'rank')"]),
+    ("cfg = LoraAdapterConfig(r=4)\nr = getattr(cfg, 'r', 8)", ["getattr(cfg, 'r', 8)"]),
+    ("c: ScheduleConfig = make()\nu = getattr(c, 'uses_run_epochs', False)", ["getattr(c, 'uses_run_epochs', False)"]),
+    ("if (c := s.schedule.config) and hasattr(c, 'q'):\n    pass", ["hasattr(c, 'q')"]),
+    ("value = getattr(s.adapter.config, name)", []),  # two arguments: a named field, no invented default
+    ("mask = getattr(tokenizer, 'mask_token', None)", []),  # a third-party object
+    ("fn = getattr(module, 'forward_replicas', None)", []),
+    ("if s.adapter.config.trains:\n    pass", []),
+])
+def test_the_config_probe_reader_sees_every_form(source, found):
+    """The rule's reader: a probe of a ``.config`` chain, of a name annotated, assigned (or walrus-bound) a config,
+    is seen; a two-argument getattr and probes of other objects are not."""
+    assert [call for _, call in config_probes(source)] == found

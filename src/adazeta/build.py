@@ -77,7 +77,7 @@ def train_use(s: Settings) -> str | None:
 def preflight(s: Settings) -> None:
     """Checks that need no model: adapter shapes against the architecture, local model and data files."""
     hidden = s.model.hidden_size
-    if hidden and hasattr(s.adapter.config, "check_hidden"):
+    if hidden:
         s.adapter.config.check_hidden(hidden)
     s.adapter.config.check_ready()
     where = distributed.launch_env()
@@ -105,9 +105,12 @@ def preflight(s: Settings) -> None:
             f"optimizer {s.optimizer.kind!r} cannot spread its work over processes with distributed.mode="
             f"{s.distributed.mode} (modes it supports: {ways}); launch one process or choose another mode"
         )
-    if s.task.f1_objective and s.optimizer is not None and getattr(s.optimizer.config, "estimator", None) == "forward_grad":
-        raise ConfigError("task.f1_objective=true scores generated answers, which have no derivative: "
-                          "method.optimizer.estimator=forward_grad cannot train on it; use a finite-difference estimator")
+    if s.task.f1_objective and s.optimizer is not None and s.optimizer.config.zeroth_order \
+            and not s.optimizer.config.derivative_free:  # first-order methods are refused by the loop's own check
+        raise ConfigError(f"task.f1_objective=true scores generated answers, which have no derivative: optimizer "
+                          f"{s.optimizer.kind!r} differentiates the loss (its forward-mode estimator: "
+                          "method.optimizer.estimator=forward_grad cannot train on it); use a finite-difference "
+                          "estimator (method.optimizer.estimator=central)")
     if s.dry_run:
         return
     resolve_device(s.model.device)  # model.device=cuda on a machine without one: stop before any data is read
@@ -283,7 +286,7 @@ def run_length(s: Settings, num_train: int) -> RunLength:
     per_epoch = num_train / s.train.batch_size
     epochs = s.train.max_steps / per_epoch
     zo = s.optimizer is not None and s.optimizer.config.zeroth_order
-    if budget is None or not zo or not getattr(s.schedule.config, "uses_run_epochs", False):
+    if budget is None or not zo or not s.schedule.config.uses_run_epochs:
         return length(epochs)
     steps = budget_steps(
         lambda e: SCHEDULES.get(s.schedule.kind).builder(s.schedule.config, e),

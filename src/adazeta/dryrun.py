@@ -10,9 +10,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from adazeta.adapters.bottleneck import count_bottleneck_adapters
 from adazeta.build import attach_adapter
-from adazeta.adapters.tt import count_adapters
 from adazeta.models import architecture_summary, build_meta_model, count_parameters
 from adazeta.optim.memory import TrainedSet
 
@@ -143,20 +141,20 @@ def largest_weight(model: torch.nn.Module) -> int:
     return max((p.numel() for p in model.parameters()), default=0)
 
 
-def count_all_adapters(model: torch.nn.Module) -> int:
-    """TT and dense bottleneck adapters in ``model``."""
-    return count_adapters(model) + count_bottleneck_adapters(model)
-
-
 def dry_run(s: "Settings") -> dict[str, Any]:
-    model = attach_adapter(s, build_meta_model(s.model))  # the adapter attaches as in a run
-    total, trainable = count_parameters(model)
+    """Count and estimate the run ``s`` on the meta device: the trainable parameters and the adapter modules as
+    the adapter's config declares them (``count_trainable``, ``count_modules``: every adapter kind alike), the
+    total from the adapted model, and the memory estimate and placement; printed, and returned as a record."""
+    backbone = build_meta_model(s.model)
+    trainable = s.adapter.config.count_trainable(backbone)  # from the bare backbone's shapes, before attaching
+    model = attach_adapter(s, backbone)  # the adapter attaches as in a run
+    total, _ = count_parameters(model)
     record = {
         "model": s.model.name,
         "method": s.method,
         "total_params": total,
         "trainable_params": trainable,
-        "adapters": count_all_adapters(model),
+        "adapters": s.adapter.config.count_modules(model),
         "memory_estimate_gib": memory_estimate(s, total, trained_shapes(model), largest_weight=largest_weight(model)),
         "estimate_assumes": f"batch {s.train.batch_size} x {ESTIMATE_SEQ_LEN} tokens, {s.model.dtype} backbone",
     }

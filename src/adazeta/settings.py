@@ -88,7 +88,7 @@ def _component(registry: Any, node: dict[str, Any] | None, where: str) -> Compon
 
 def _learning_rate(optimizer: Component | None) -> Component | None:
     """Every optimizer's ``lr`` is > 0: at 0 no weight ever moves, and the run would only stall at its end."""
-    lr = getattr(optimizer.config, "lr", None) if optimizer is not None else None
+    lr = optimizer.config.lr if optimizer is not None else None
     if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr <= 0:
         raise ConfigError(f"method.optimizer.lr={lr!r} must be > 0: a learning rate of {lr!r} never moves a weight; "
                           "set a positive rate (method.optimizer.lr=1e-4), or evaluate without training with "
@@ -147,7 +147,7 @@ def parse(cfg: DictConfig) -> Settings:
     shapes = settings.model.tt_shapes
     adapter = settings.adapter.config
     table = (settings.model.placements or {}).get(settings.model.architecture["model_type"])
-    if table and getattr(adapter, "targets", False) is None:
+    if table and adapter.takes_sites and adapter.targets is None:
         # The reference sites for this model type (conf/model/*.yaml) unless the method names its own; without
         # an entry the adapter finds the MLP's projections from the module structure (adapters/sites.py).
         settings.adapter.config = adapter = dataclasses.replace(adapter, targets=table[adapter.placement])

@@ -24,6 +24,16 @@ class FullConfig(AdapterCapabilities):
     replicable: ClassVar[bool] = False
     freeze_head: bool = False
 
+    def count_trainable(self, backbone: nn.Module) -> int:
+        """Every weight once; with ``freeze_head``, less those only the head holds (a tied matrix also trains as
+        the input embeddings)."""
+        sizes = {id(p): p.numel() for p in backbone.parameters()}
+        if not self.freeze_head:
+            return sum(sizes.values())
+        head = {id(m) for m in head_module(backbone).modules()}
+        outside = {id(p) for m in backbone.modules() if id(m) not in head for p in m.parameters(recurse=False)}
+        return sum(n for key, n in sizes.items() if key in outside)
+
 
 @dataclass
 class NoneConfig(AdapterCapabilities):

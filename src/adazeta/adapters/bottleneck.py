@@ -9,6 +9,8 @@ usual near-identity start of adapter tuning; the TT adapter's reference init is 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
+
 import torch
 from torch import Tensor, nn
 
@@ -21,6 +23,8 @@ from adazeta.errors import ConfigError
 @dataclasses.dataclass
 class BottleneckAdapterConfig(AdapterCapabilities):
     """Config of the dense bottleneck adapter; validated on construction."""
+
+    takes_sites: ClassVar[bool] = True  # conf/model/*.yaml's placements, unless `targets` names its own
 
     bottleneck: int = 64  # b: width of the adapter's hidden layer; 2*H*b + H + b parameters per adapter
     activation: str = "relu"  # the nonlinearity between down and up (ACTIVATIONS)
@@ -45,6 +49,18 @@ class BottleneckAdapterConfig(AdapterCapabilities):
             raise ConfigError(f"method.adapter.activation={self.activation!r} is unknown; known: {', '.join(ACTIVATIONS)}")
         if self.targets is not None:
             check_targets(self.targets, "method.adapter.targets")
+
+    def count_trainable(self, backbone: nn.Module) -> int:
+        """At each site of width H: down (H x b) and up (b x H) with their biases, 2 H b + H + b."""
+        total = 0
+        for base, position in resolve_sites(backbone, self.targets, self.placement).values():
+            fan_in, fan_out = linear_features(base)
+            features = fan_in if position == "input" else fan_out
+            total += 2 * features * self.bottleneck + features + self.bottleneck
+        return total
+
+    def count_modules(self, model: nn.Module) -> int:
+        return count_bottleneck_adapters(model)
 
 
 class BottleneckAdapter(nn.Module):

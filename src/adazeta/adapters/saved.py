@@ -82,6 +82,15 @@ class SavedConfig(AdapterCapabilities):
 
         check_saved(saved_folder(self.source))  # checked before any model loads: there, and whole
 
+    def count_modules(self, model: nn.Module) -> int:
+        """The adapter modules of the kind saved in ``source`` (peft's folder: LoRA), as that kind counts them."""
+        from adazeta.saving import ADAPTER_CONFIG
+
+        folder = saved_folder(str(self.source))
+        kind = "lora" if (folder / "adapter_config.json").is_file() else \
+            json.loads((folder / ADAPTER_CONFIG).read_text())["kind"]
+        return ADAPTERS.get(kind).config_cls().count_modules(model)
+
 
 @ADAPTERS.register("saved", SavedConfig)
 def load_saved(model: nn.Module, cfg: SavedConfig) -> nn.Module:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from adazeta.adapters import ADAPTERS, AdapterCapabilities
 from adazeta.adapters.sites import PLACEMENT_NAMES, POSITIONS, check_targets, linear_features, resolve_sites
 from adazeta.errors import ConfigError
-from adazeta.tensor.tt import default_shape, init_cores, split_index, tt_factors, tt_matmul
+from adazeta.tensor.tt import default_shape, init_cores, split_index, tt_factors, tt_matmul, tt_num_params
 
 # reference: the AdaZeta reference code's init, not the identity at step 0; identity: the last `up` core and
 # the `up` bias start at zero, so the adapted model equals the backbone at step 0 (as LoRA's B = 0 does).
@@ -56,6 +56,7 @@ class TTAdapterConfig(AdapterCapabilities):
     """Config of AdaZeta's TT adapter; validated on construction."""
 
     takes_model_shapes: ClassVar[bool] = True  # conf/model/*.yaml's tt_shapes (e.g. [8,8,16,8,8] on RoBERTa-Large)
+    takes_sites: ClassVar[bool] = True  # conf/model/*.yaml's placements, unless `targets` names its own
 
     bottleneck: int = 64  # b: width of the adapter's hidden layer
     rank: int = 5  # inner TT rank r of both projections; parameters grow as r^2
@@ -109,6 +110,19 @@ class TTAdapterConfig(AdapterCapabilities):
                 f"method.adapter.{field}={shape} cannot be split: its {side} modes must multiply to "
                 f"bottleneck={self.bottleneck}"
             ) from None
+
+    def count_trainable(self, backbone: nn.Module) -> int:
+        """At each site of width H: the cores of the down and up tensor trains and their biases (b and H)."""
+        total = 0
+        for base, position in resolve_sites(backbone, self.targets, self.placement).values():
+            fan_in, fan_out = linear_features(base)
+            features = fan_in if position == "input" else fan_out
+            down, up = self.shapes(features)
+            total += tt_num_params(down, self.rank) + tt_num_params(up, self.rank) + self.bottleneck + features
+        return total
+
+    def count_modules(self, model: nn.Module) -> int:
+        return count_adapters(model)
 
     def check_hidden(self, hidden_size: int) -> None:
         """Fail before loading a model when explicit shapes do not fit ``hidden_size * bottleneck``."""

@@ -37,10 +37,18 @@ class OptimizerCapabilities:
     ``batches_queries``: a step's queries run as weight replicas in batched forwards (needs a replicable adapter);
     ``forwards(q)``: forward passes of a step of q queries (the run length from a forward budget reads it);
     ``parallel_modes``: the ``distributed.mode``s that may spread its work over several processes (first-order:
-    every one, through DDP).
+    every one, through DDP);
+    ``derivative_free``: its steps read loss values alone, never a derivative of the loss (finite differences), so
+    it can train on an objective without one (generated answers' F1); first-order: False;
+    ``lr``: its learning rate, a field of every optimizer's config (the runner refuses lr <= 0).
     """
 
     zeroth_order: ClassVar[bool] = False
+    lr: float
+
+    @property
+    def derivative_free(self) -> bool:
+        return self.zeroth_order
 
     def state_bytes(self, entries: int, width: int) -> float:
         return 0.0

@@ -479,6 +479,10 @@ class ZOSGDConfig(OptimizerCapabilities):
     def parallel_modes(self) -> tuple[str, ...]:
         return estimator_of(self.estimator).parallel
 
+    @property
+    def derivative_free(self) -> bool:  # a forward-mode estimator (forward_grad) differentiates the loss
+        return not estimator_of(self.estimator).forward_mode
+
     def activation_copies(self, width: int) -> float:
         # A jvp: a tangent beside every activation, the terms of an op with two dual inputs (a trained weight's),
         # the attention's math kernel, and with a 16-bit backbone the float32 copies its norms make. Measured on the
