@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import importlib
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -235,3 +236,21 @@ def test_a_real_file_the_guide_shows_is_shown_as_it_is(path):
 
     shown = next(text for _, text in code_blocks() if text.startswith(f"# {path}\n"))
     assert lines(shown) == lines((ROOT / path).read_text())
+
+
+@pytest.mark.slow  # a process of its own that imports torch and transformers (tens of seconds on a busy machine)
+def test_the_model_example_counts_what_the_guide_says(tmp_path):
+    """The guide's Qwen2.5-0.5B file, alone in a --config-dir, gives the dry run it quotes (no weights, no Hub)."""
+    block = next(text for _, text in code_blocks() if text.startswith("# conf/model/qwen2.5-0.5b.yaml\n"))
+    total, trained, adapters = re.search(r"counts\s+([\d,]+) parameters, ([\d,]+) of them in (\d+) TT adapters",
+                                         GUIDE).groups()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "qwen2.5-0.5b.yaml").write_text(block + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ADAZETA_", "WANDB_"))}
+    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+    done = subprocess.run([sys.executable, "-m", "adazeta.cli", "--config-dir", str(tmp_path), "model=qwen2.5-0.5b",
+                           "method=adazeta", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"total params     {total}" in done.stdout and f"trainable params {trained}" in done.stdout
+    assert f"adapters         {adapters}" in done.stdout
