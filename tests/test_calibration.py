@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from adazeta.calibration import CONTENT_FREE, content_free_examples, contextual_bias, prior_bias
+from adazeta.scoring.calibration import CONTENT_FREE, content_free_examples, contextual_bias, prior_bias
 from adazeta.errors import ConfigError
 from adazeta.run import run
 from adazeta.settings import parse

@@ -47,7 +47,7 @@ def settings_for(kind: str, model: str, extra: list[str], saved: str | None = No
 @pytest.fixture(scope="module")
 def saved_folder(tmp_path_factory) -> str:
     """A TT adapter saved from the tiny Llama, as a run saves it (``method=eval`` scores such a folder)."""
-    from adazeta.saving import save_adapters
+    from adazeta.runs.saving import save_adapters
 
     s = settings_for("tt", "tiny-llama", [])
     model = attach_adapter(s, load_model(s.model, seed=0).model)

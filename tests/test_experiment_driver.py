@@ -13,7 +13,7 @@ import pytest
 
 from adazeta.errors import ConfigError
 from adazeta.experiments import design_of
-from adazeta.rundir import claim, holder
+from adazeta.runs.rundir import claim, holder
 from adazeta.tools import experiment as driver
 
 CONFIG = {

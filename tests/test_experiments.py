@@ -387,7 +387,7 @@ def test_a_setting_is_what_the_run_used():
 
 def test_an_experiment_plan_that_grows_does_not_split_its_runs():
     """A new arm in an experiment's plan, or a model's placement table moved into its YAML, is not a setting."""
-    from adazeta.rundir import config_differences
+    from adazeta.runs.rundir import config_differences
     from adazeta.tools.tables import setting_of
 
     old = {"seed": 0, "model": {"family": "causal", "name": "m"}, "train": {"max_steps": 4},
@@ -440,7 +440,7 @@ def test_make_tables_names_a_damaged_run_record_instead_of_a_traceback(tmp_path)
 def test_committed_runs_of_one_arm_at_one_rate_are_one_setting():
     """Seeds of one arm run months apart must pool into one table cell: a key added to the config since (with its
     old-behaviour value) must not make a new setting (tables.ADDED_DEFAULTS), or a cell silently drops seeds."""
-    from adazeta.record import read_record
+    from adazeta.runs.record import read_record
     from adazeta.tools.tables import setting_of
 
     results = load_results([ROOT / "results" / "runs"])

@@ -608,7 +608,7 @@ def test_a_second_copy_of_a_running_sweep_is_refused_and_leaves_the_first_ones_r
                                                                                       monkeypatch, capsys):
     """Two copies of one sweep in one folder: the second would find every point's run directory in use and report
     them failed, in the first's report. It is refused in one line, exit 2, and touches nothing there."""
-    from adazeta.rundir import claim
+    from adazeta.runs.rundir import claim
 
     sweep_dir = tmp_path / "sweep"
     sweep_dir.mkdir()

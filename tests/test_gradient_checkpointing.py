@@ -11,7 +11,7 @@ import torch
 from adazeta.tools import bench_memory
 from adazeta.dryrun import memory_estimate
 from adazeta.errors import ConfigError
-from adazeta.evaluate import evaluate
+from adazeta.scoring.evaluate import evaluate
 from adazeta.models import enable_gradient_checkpointing_, load_model
 from adazeta.build import build, preflight, seed_everything
 from adazeta.settings import parse

@@ -1,5 +1,5 @@
 """The layout's import rules (CONTRIBUTING.md, Layout): the library never imports a tool; tools import the library;
-outside ``scoring.py`` examples are scored through ``Scorer`` alone; a task reaches the loaders bound to its family.
+outside ``adazeta.scoring`` (its ``__init__``) examples are scored through ``Scorer`` alone; a task reaches the loaders bound to its family.
 
 Read from the source with ``ast`` (nothing is imported), so a run's dependencies cannot grow a bench or a report
 without this failing."""
@@ -19,7 +19,7 @@ PACKAGE = Path(adazeta.__file__).parent
 TOOLS = PACKAGE / "tools"
 # Commands that stay in the library: the run's entry point, and the export of a trained run (a user's command whose
 # exported README names it; not a bench, report or driver).
-LIBRARY_COMMANDS = {"cli", "export"}
+LIBRARY_COMMANDS = {"adazeta.cli", "adazeta.export"}
 
 
 def module_name(path: Path) -> str:
@@ -77,7 +77,7 @@ def test_the_library_never_imports_a_tool():
 @pytest.mark.parametrize("source,module,imports_tools", [
     ("from adazeta.tools import bench", "adazeta.run", True),
     ("import adazeta.tools.experiment as driver", "adazeta.run", True),
-    ("from adazeta import tools", "adazeta.results", True),
+    ("from adazeta import tools", "adazeta.runs.results", True),
     ("from .tools.bench import common", "adazeta.run", True),
     ("from . import tools", "adazeta", True),
     ("def f():\n    from adazeta.tools.make_tables import main", "adazeta.train", True),
@@ -92,15 +92,16 @@ def test_the_import_reader_sees_every_form_of_import(source, module, imports_too
 
 
 def test_every_tool_is_listed_and_no_command_is_left_in_the_library():
-    """adazeta.tools' docstring lists each tool; a command (``__main__`` guard) outside tools/ is one of the two the
-    library keeps, so a new bench, report or driver lands in tools/."""
+    """adazeta.tools' docstring lists each tool; a command (``__main__`` guard) outside tools/, at the root or in a
+    subpackage, is one of the two the library keeps, so a new bench, report or driver lands in tools/."""
     tools = {p.stem for p in TOOLS.glob("*.py") if p.stem != "__init__"} | {
         p.name for p in TOOLS.iterdir() if (p / "__init__.py").is_file()}
     assert {"bench", "experiment", "make_tables", "study_report", "endpoints"} <= tools
     listed = set(re.findall(r"^    (\w+) ", adazeta.tools.__doc__, re.MULTILINE))
     assert tools == listed, f"tools/ holds {sorted(tools - listed)} not listed, lists {sorted(listed - tools)} absent"
-    commands = {p.stem for p in PACKAGE.glob("*.py") if re.search(r"^if __name__ == .__main__.:", p.read_text(), re.M)}
-    assert commands == LIBRARY_COMMANDS, f"commands at the package root: {sorted(commands)} (tools go in tools/)"
+    commands = {module_name(p) for p in library_modules()
+                if re.search(r"^if __name__ == .__main__.:", p.read_text(), re.M)}
+    assert commands == LIBRARY_COMMANDS, f"commands in the library: {sorted(commands)} (tools go in tools/)"
 
 
 def test_a_module_over_400_lines_says_why():
@@ -119,7 +120,7 @@ def test_a_module_over_400_lines_says_why():
     assert not silent, f"modules over ~400 lines without a reason at the top of their docstring: {silent}"
 
 
-# What scoring.py does on its own: encoding, laying out and scoring examples for a given family. Every other module
+# What adazeta.scoring (scoring/__init__.py) does on its own: encoding, laying out and scoring examples for a given family. Every other module
 # goes through ``Scorer``, which holds the family, the tokenizer, the pad and mask ids and the objective.
 SCORING_ENTRY_POINTS = {"encode", "collate", "batch_loss", "candidate_scores", "replica_losses", "lm_parts",
                         "_hidden_states"}
@@ -147,7 +148,7 @@ def test_only_scoring_py_calls_the_scoring_entry_points():
     (or a pad id, an objective) by hand again, as the benches once passed a literal "causal"."""
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path == PACKAGE / "scoring.py":
+        if path == PACKAGE / "scoring" / "__init__.py":
             continue
         for name in scoring_entry_points(path.read_text(), module_name(path), path.name == "__init__.py"):
             offenders.append(f"{path.relative_to(PACKAGE)} imports {name} from adazeta.scoring")
@@ -156,7 +157,7 @@ def test_only_scoring_py_calls_the_scoring_entry_points():
 
 
 @pytest.mark.parametrize("source,module,found", [
-    ("from adazeta.scoring import Batch, Encoded, Scorer, gold_lengths", "adazeta.evaluate", []),
+    ("from adazeta.scoring import Batch, Encoded, Scorer, gold_lengths", "adazeta.scoring.evaluate", []),
     ("from adazeta.scoring import Scorer, batch_loss", "adazeta.tools.bench.common", ["batch_loss"]),
     ("def f():\n    from adazeta.scoring import lm_parts", "adazeta.tools.diagnose_zo", ["lm_parts"]),
     ("from .scoring import encode", "adazeta.build", ["encode"]),
@@ -169,7 +170,7 @@ def test_the_scoring_import_reader_sees_every_form(source, module, found):
     assert scoring_entry_points(source, module) == found
 
 
-FAMILY_BOUND = ("tasks/loaders.py", "calibration.py", "icl.py")
+FAMILY_BOUND = ("tasks/loaders.py", "scoring/calibration.py", "tasks/demonstrations.py")
 
 
 def test_loaders_calibration_and_icl_take_the_task_bound_to_its_family():
@@ -254,7 +255,7 @@ def test_no_module_reaches_a_private_name_of_another_or_patches_one():
     ("from .zo_sgd import ZOSGD, _as_loss", ["from adazeta.optim.zo_sgd import _as_loss"]),
     ("from adazeta.optim import spsa\nspsa._each_draw(1)", ["spsa._each_draw"]),
     ("from adazeta.optim import spsa\nspsa.each_draw = None", ["spsa.each_draw = ..."]),
-    ("import adazeta.saving as saving\nsaving._load_into(m)", ["saving._load_into"]),
+    ("import adazeta.runs.saving as saving\nsaving._load_into(m)", ["saving._load_into"]),
     ("def f(opt):\n    return opt._estimate_sequential(1)", ["._estimate_sequential()"]),
     ("def f(self):\n    return self._estimate(1)", []),
     ("def f(self):\n    return super()._estimate_sequential(1)", []),  # an override calling its own base
@@ -302,7 +303,7 @@ def test_the_family_comparison_reader_sees_every_form(source, hits):
 # PretrainedConfig, whose keys differ by architecture) is third-party and may be probed: these are the reviewed ones.
 THIRD_PARTY_CONFIG_PROBES = {
     "models.py": {"module.config"},  # a loaded transformers model: is it quantized?
-    "scoring.py": {"config"},  # the transformers model's config: may its rows be packed?
+    "scoring/__init__.py": {"config"},  # the transformers model's config: may its rows be packed?
     "adapters/basic.py": {"base.config"},  # does the transformers model tie its head?
     "adapters/lora.py": {"model.config"},  # the transformers model type, for peft's default targets
 }
@@ -395,3 +396,16 @@ def test_the_config_probe_reader_sees_every_form(source, found):
     """The rule's reader: a probe of a ``.config`` chain, of a name annotated, assigned (or walrus-bound) a config,
     is seen; a two-argument getattr and probes of other objects are not."""
     assert [call for _, call in config_probes(source)] == found
+
+
+ROOT_MODULE_LIMIT = 25
+
+
+def test_the_package_root_holds_at_most_25_modules():
+    """The root keeps what a run is wired from and what users call; modules that belong together live in a
+    subpackage (``runs/``, ``scoring/``, ``tasks/``, ...), so that a newcomer reads the pipeline from the listing."""
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert "__init__.py" in root and "cli.py" in root  # the real package root is read
+    assert len(root) <= ROOT_MODULE_LIMIT, (
+        f"src/adazeta/ holds {len(root)} modules (at most {ROOT_MODULE_LIMIT}): {', '.join(root)}; "
+        "move modules that belong together into a subpackage")

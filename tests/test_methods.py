@@ -24,7 +24,7 @@ from adazeta.adapters.bottleneck import (
 from adazeta.adapters.tt import TTAdapter, count_adapters
 from adazeta.dryrun import memory_estimate
 from adazeta.errors import ConfigError
-from adazeta.icl import DemonstrationConfig, demonstration_text, fits_in, prepend_demonstrations, sample_demonstrations
+from adazeta.tasks.demonstrations import DemonstrationConfig, demonstration_text, fits_in, prepend_demonstrations, sample_demonstrations
 from adazeta.models import byte_tokenizer, count_parameters, load_model
 from adazeta.optim import OPTIMIZERS, spsa
 from adazeta.optim.sparse_mezo import (SparseZOSGD, SparseZOSGDConfig, kth_smallest_abs, magnitude_mask,

@@ -42,9 +42,10 @@ def installed(tmp_path_factory) -> Path:
     assert "adazeta/reference/paper_numbers.csv" in names  # make_tables' published numbers, outside a checkout
     shipped = {n.removeprefix("adazeta/conf/") for n in names if n.startswith("adazeta/conf/")}
     assert shipped == {str(p.relative_to(ROOT / "conf")) for p in (ROOT / "conf").rglob("*.yaml")}
-    # The tools ship too (find_packages finds adazeta.tools and adazeta.tools.bench): every module of the checkout.
+    # The tools ship too (find_packages finds adazeta.tools and adazeta.tools.bench): every module of the checkout,
+    # and no other (a module moved since an earlier build is not shipped again from build/lib: setup.py).
     modules = {str(p.relative_to(ROOT / "src")) for p in (ROOT / "src" / "adazeta").rglob("*.py")}
-    assert modules <= set(names) and "adazeta/tools/bench/__main__.py" in modules
+    assert modules == {n for n in names if n.endswith(".py")} and "adazeta/tools/bench/__main__.py" in modules
     target = out / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)

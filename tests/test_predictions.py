@@ -66,7 +66,7 @@ def test_rows_name_the_source_examples_and_repeat_across_seeds(fixture_data, tmp
 def test_predictions_of_a_sorted_evaluation_come_back_in_split_order():
     import torch
 
-    from adazeta.evaluate import gather_predictions
+    from adazeta.scoring.evaluate import gather_predictions
     from adazeta.scoring import Batch
 
     def batch(index, gold, slots, max_c):
@@ -89,7 +89,7 @@ def test_a_runs_code_is_dirty_only_when_its_code_or_config_changed(tmp_path):
     """A driver appends to a committed results/.../launches.csv as it launches runs: that must not mark them dirty."""
     import subprocess
 
-    from adazeta.results import git_state
+    from adazeta.runs.results import git_state
 
     def git(*args):
         subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)

@@ -179,7 +179,7 @@ def test_icl_per_example_demonstrations_are_mezos_draws():
     sample's train set is sample_subset(train, seed=seeds[i], 32): np.random.seed(seed); permutation(len)[:32]."""
     import numpy as np
 
-    from adazeta.icl import per_example_indices
+    from adazeta.tasks.demonstrations import per_example_indices
 
     n_eval, n_train = 6, 500
     state = np.random.get_state()

@@ -15,7 +15,7 @@ import torch
 
 import adazeta.run as run_module
 from adazeta.errors import ConfigError
-from adazeta.rundir import atomic_write_text, claim, config_differences
+from adazeta.runs.rundir import atomic_write_text, claim, config_differences
 from adazeta.run import CHECKPOINT, run
 from adazeta.tracking import Tracker, WandbConfig
 from helpers import TIMING, compose_cfg, rows, signal_at_step, tiny_overrides
@@ -41,7 +41,7 @@ def test_a_claimed_directory_refuses_a_second_run_before_any_work(fixture_data, 
 def test_a_lock_left_by_a_killed_process_is_taken_over(tmp_path, caplog):
     run_dir = tmp_path / "run"
     code = (
-        "import os, signal, sys; from pathlib import Path; from adazeta.rundir import claim\n"
+        "import os, signal, sys; from pathlib import Path; from adazeta.runs.rundir import claim\n"
         f"with claim(Path({str(run_dir)!r})): os.kill(os.getpid(), signal.SIGKILL)"
     )
     proc = subprocess.run([sys.executable, "-c", code], env=os.environ.copy())

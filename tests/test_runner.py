@@ -45,7 +45,7 @@ def test_each_method_runs_and_writes_its_files(method, fixture_data, tmp_path):
     assert RESULT_KEYS <= set(saved)
     assert 0.0 <= saved["test_accuracy"] <= 1.0 and saved["config"]["method"]["name"] == method
     # the CPU it ran on, with the instruction sets its speed turns on (one model name can hide two CPUs)
-    from adazeta.results import CPU_FEATURES, cpu_label
+    from adazeta.runs.results import CPU_FEATURES, cpu_label
     flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split())
     assert saved["device"]["cpu_features"] == [f for f in CPU_FEATURES if f in flags]
     assert cpu_label(saved["device"]).endswith("(AMX)" if "amx_bf16" in flags else "(no AMX)")
@@ -212,8 +212,8 @@ def test_divergence_monitor_counts_consecutive_strikes(rule):
 def test_the_main_metric_names_the_record_keys():
     """result.json's score keys carry the task's metric: accuracy for classification, f1 for generation tasks,
     and a checkpoint of an earlier release (which called the score accuracy) still restores."""
-    from adazeta.evaluate import EvalResult
-    from adazeta.record import RunRecord, main_score
+    from adazeta.scoring.evaluate import EvalResult
+    from adazeta.runs.record import RunRecord, main_score
 
     record = RunRecord("mezo", "squad", 1, "m", 0, None, metric="f1", dev_score=0.4, test_score=0.5,
                        initial_dev_score=0.1)

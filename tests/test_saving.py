@@ -16,7 +16,7 @@ from adazeta.errors import ConfigError
 from adazeta.build import build
 from adazeta.run import run
 from adazeta.settings import parse
-from adazeta.saving import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapters
+from adazeta.runs.saving import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapters
 from helpers import ROOT, SHARED_MODELS, compose_cfg, needs_shared_model, tiny_overrides
 
 
@@ -217,7 +217,7 @@ def test_the_model_card_has_hub_metadata_and_its_snippet_loads_the_adapters(meth
     names: dict = {}
     exec(compile(snippet, "README.md", "exec"), names)  # as written: every name it uses, it defines
     ids = torch.tensor([[5, 6, 7, 8]])
-    from adazeta.saving import load_adapters
+    from adazeta.runs.saving import load_adapters
     from transformers import AutoModelForCausalLM
 
     expected = load_adapters(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), folder)
@@ -227,7 +227,7 @@ def test_the_model_card_has_hub_metadata_and_its_snippet_loads_the_adapters(meth
 def test_the_model_card_says_when_the_base_came_from_a_gguf_file(tmp_path):
     from huggingface_hub import ModelCard
 
-    from adazeta.saving import model_card
+    from adazeta.runs.saving import model_card
 
     record = {"method": "adazeta", "task": "sst2", "model": "smollm2-135m", "seed": 0, "status": "finished",
               "steps": 10, "best_step": 10, "model_source": {"kind": "hub", "path": "org/Model-GGUF",
@@ -243,6 +243,6 @@ def test_the_model_card_says_when_the_base_came_from_a_gguf_file(tmp_path):
 
 @needs_shared_model
 def test_a_gguf_files_quantisation_is_read_from_its_metadata():
-    from adazeta.saving import gguf_quantisation
+    from adazeta.runs.saving import gguf_quantisation
 
     assert gguf_quantisation(str(SHARED_MODELS / "SmolLM2-135M-Instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf")) == "Q4_1"

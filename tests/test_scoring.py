@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from adazeta.models import ModelConfig, load_model
-from adazeta.evaluate import evaluate
+from adazeta.scoring.evaluate import evaluate
 from adazeta.models import byte_tokenizer
 from adazeta.scoring import (
     LAYOUTS,

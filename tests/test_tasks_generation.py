@@ -10,11 +10,11 @@ import datasets
 import pytest
 import torch
 
-from adazeta import generation
+from adazeta.scoring import generation
 from adazeta.errors import ConfigError
-from adazeta.generation import GenerationSet, answer_text, generation_metrics, greedy_generate, stop_token_ids
+from adazeta.scoring.generation import GenerationSet, answer_text, generation_metrics, greedy_generate, stop_token_ids
 from adazeta.models import ModelConfig, load_model
-from adazeta.record import main_score
+from adazeta.runs.record import main_score
 from adazeta.tracking import eval_columns
 from adazeta.run import run
 from adazeta.scoring import Scorer, objective_loss

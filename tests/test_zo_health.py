@@ -12,7 +12,7 @@ import torch
 from adazeta.adapters.bottleneck import BottleneckAdapterConfig, add_bottleneck_adapters
 from adazeta.adapters.tt import TTAdapter, TTAdapterConfig, add_tt_adapters
 from adazeta.errors import ConfigError
-from adazeta.evaluate import Dependence, Predictions, dependence, evaluate
+from adazeta.scoring.evaluate import Dependence, Predictions, dependence, evaluate
 from adazeta.models import ModelConfig, load_model
 from adazeta.optim.zo_sgd import ZOSGD
 from adazeta.schedules import AdaptiveOfficialConfig, budget_steps, build_adaptive_official

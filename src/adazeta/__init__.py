@@ -23,14 +23,14 @@ _register_resolvers()
 
 def load_adapters(model, folder):  # noqa: ANN001, ANN201 (light: the package imports nothing heavy on its own)
     """Attach the adapters a run saved (``<run dir>/adapter``) to a plain ``transformers`` model; see
-    ``adazeta.saving.load_adapters``."""
-    from adazeta.saving import load_adapters as load
+    ``adazeta.runs.saving.load_adapters``."""
+    from adazeta.runs.saving import load_adapters as load
 
     return load(model, folder)
 
 
 def save_adapters(model, folder, kind, config, base, card=""):  # noqa: ANN001, ANN201
-    """Write a model's trained adapters to ``folder``; see ``adazeta.saving.save_adapters``."""
-    from adazeta.saving import save_adapters as save
+    """Write a model's trained adapters to ``folder``; see ``adazeta.runs.saving.save_adapters``."""
+    from adazeta.runs.saving import save_adapters as save
 
     return save(model, folder, kind, config, base, card)

@@ -25,9 +25,9 @@ import adazeta.adapters  # noqa: F401  (registers the built-in adapters)
 import adazeta.optim  # noqa: F401  (registers the built-in optimizers)
 from adazeta.adapters import ADAPTERS
 from adazeta import distributed, precision
-from adazeta.calibration import content_free_examples
+from adazeta.scoring.calibration import content_free_examples
 from adazeta.errors import ConfigError
-from adazeta.icl import add_demonstrations_, add_per_example_demonstrations_, with_demonstrations
+from adazeta.tasks.demonstrations import add_demonstrations_, add_per_example_demonstrations_, with_demonstrations
 from adazeta.models import (
     LoadedModel,
     count_parameters,
@@ -166,7 +166,7 @@ class Built:
         return self.loaded.tokenizer
 
     def record_fields(self, s: Settings, d: distributed.Dist = distributed.SINGLE) -> dict[str, Any]:
-        """What was built, as the run record's fields (``adazeta.record.RunRecord``): sizes, sources, truncation, the
+        """What was built, as the run record's fields (``adazeta.runs.record.RunRecord``): sizes, sources, truncation, the
         scoring layout, the ZO estimator and mean Q, the processes and devices."""
         zo = zeroth_order(self.optimizer)
         fields: dict[str, Any] = {

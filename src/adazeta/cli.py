@@ -61,8 +61,8 @@ from omegaconf import DictConfig
 from adazeta.errors import ConfigError, PeerError
 from adazeta.overrides import check
 from adazeta.paths import CONFIG_ENV, config_dir  # noqa: F401  (CONFIG_ENV re-exported)
-from adazeta.record import main_score, resume_hint
-from adazeta.rundir import Interrupted, PeerLost, claim, received_signal
+from adazeta.runs.record import main_score, resume_hint
+from adazeta.runs.rundir import Interrupted, PeerLost, claim, received_signal
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def _main(cfg: DictConfig) -> float | None:
@@ -126,7 +126,7 @@ def _main(cfg: DictConfig) -> float | None:
 def _exiting_on_signal() -> None:
     """The run is recorded and this process now exits with its signal's status: a further stop signal (a second
     Ctrl-C, a scheduler's repeated SIGTERM) must not kill it on the way out, with another status."""
-    from adazeta.rundir import STOP_SIGNALS
+    from adazeta.runs.rundir import STOP_SIGNALS
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
@@ -241,7 +241,7 @@ def _stop_start_up(signum: int, frame: Any) -> None:
 
 
 def start_up_signals(rank: int) -> None:
-    """Several processes: until the run installs its own handlers (``adazeta.rundir.StopSignals``), a stop signal
+    """Several processes: until the run installs its own handlers (``adazeta.runs.rundir.StopSignals``), a stop signal
     ends the start-up with one line from rank 0 and status 128 + n, not a traceback per rank. The other ranks end
     by the signal itself, at once: one waiting inside a collective for rank 0 runs no Python handler."""
     if rank == 0:
@@ -296,7 +296,7 @@ class _QuietStdout:
 
 def main() -> None:
     """Check the overrides (one line and exit 2 for a mistake), run, and sum up a sweep's failed points. Ctrl-C
-    before the run begins (its directory claimed, its signals handled: ``adazeta.rundir.StopSignals``) is one line
+    before the run begins (its directory claimed, its signals handled: ``adazeta.runs.rundir.StopSignals``) is one line
     and exit status 130."""
     # By name: under `python -m adazeta.cli` the handler was installed by the module run as __main__.
     if getattr(signal.getsignal(signal.SIGINT), "__name__", None) == _interrupted_while_importing.__name__:

@@ -49,7 +49,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from adazeta.errors import ConfigError
-from adazeta.record import ENDED
+from adazeta.runs.record import ENDED
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ def export(run_dir: Path, out: Path) -> str:
 
     Everything is written to a hidden sibling folder first and renamed to ``out`` once complete: a failure leaves
     no ``out`` (or the empty one that was there), never a half-written one."""
-    from adazeta.saving import check_saved
+    from adazeta.runs.saving import check_saved
 
     run_dir, out = Path(run_dir), Path(out)
     record_path = run_dir / "result.json"
@@ -103,7 +103,7 @@ def export(run_dir: Path, out: Path) -> str:
 def _export_adapters(run_dir: Path, record_path: Path, folder: Path, out: Path) -> str:
     """Write the export of a run that kept adapters into ``folder``, which will be renamed to ``out``."""
     from adazeta.models import load_model
-    from adazeta.saving import ADAPTER_CONFIG, gguf_quantisation, load_adapters
+    from adazeta.runs.saving import ADAPTER_CONFIG, gguf_quantisation, load_adapters
     from adazeta.settings import parse
 
     adapter = run_dir / "adapter"

@@ -157,7 +157,7 @@ class ZOTrainer(Trainer):
     def _load_adapters_from(self, checkpoint: str | None, model: nn.Module | None = None) -> bool:
         """Load the adapters ``save_model`` wrote to ``checkpoint`` into the model, if it carries TT or bottleneck
         adapters from ``add_adapters``; False (nothing done) for LoRA and other models."""
-        from adazeta.saving import load_adapter_state_
+        from adazeta.runs.saving import load_adapter_state_
 
         model = model if model is not None else self.model
         attached = getattr(model, "_adazeta_adapter", None)
@@ -169,7 +169,7 @@ class ZOTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Adapters attached with ``add_adapters`` are written as ``adazeta.save_adapters`` writes them (peft's format
         for LoRA); any other model as the Trainer saves it."""
-        from adazeta.saving import save_adapters
+        from adazeta.runs.saving import save_adapters
 
         attached = getattr(self.model, "_adazeta_adapter", None)
         if attached is None:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from adazeta.errors import ConfigError
-from adazeta.evaluate import EvalResult, Predictions
+from adazeta.scoring.evaluate import EvalResult, Predictions
 from adazeta.scoring import Encoded, Scorer
 from adazeta.tracking import Tracker
 from adazeta.train import Outcome

@@ -21,14 +21,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from adazeta import distributed
 from adazeta.adapters.saved import adopt_saved_run
-from adazeta.calibration import calibrate
+from adazeta.scoring.calibration import calibrate
 from adazeta.distributed import Dist, Spread
 from adazeta.dryrun import dry_run
 from adazeta.errors import ConfigError, PeerError
 from adazeta.probe import linear_probe
-from adazeta.record import ENDED, RunRecord, resume_hint
-from adazeta.results import device_info, git_state, package_versions, read_record, write_result
-from adazeta.rundir import (
+from adazeta.runs.record import ENDED, RunRecord, resume_hint
+from adazeta.runs.results import device_info, git_state, package_versions, read_record, write_result
+from adazeta.runs.rundir import (
     Interrupted,
     PeerLost,
     StopSignals,
@@ -39,7 +39,7 @@ from adazeta.rundir import (
     forget_signals,
     result_settings,
 )
-from adazeta.saving import model_card, save_adapters
+from adazeta.runs.saving import model_card, save_adapters
 from adazeta.build import build, preflight, seed_everything
 from adazeta.settings import Settings, parse
 from adazeta.tasks.loaders import TaskData
@@ -290,9 +290,9 @@ def execute(
 ) -> dict[str, Any]:
     """Build, train, test and record one run; ``resume``: a checkpoint this run's settings wrote earlier.
 
-    A stop signal (``adazeta.rundir.STOP_SIGNALS``: TERM, INT, HUP, USR1, USR2) ends the run ``interrupted``
+    A stop signal (``adazeta.runs.rundir.STOP_SIGNALS``: TERM, INT, HUP, USR1, USR2) ends the run ``interrupted``
     (checkpointed when it happens during training; during the final evaluation, a first signal lets the run finish
-    and be recorded: see ``adazeta.rundir.PHASES``); a finished or diverged run removes its checkpoint. ``result.json`` is written in every case, atomically, with
+    and be recorded: see ``adazeta.runs.rundir.PHASES``); a finished or diverged run removes its checkpoint. ``result.json`` is written in every case, atomically, with
     the signals held back while it is written.
     Several processes (``d``): every rank trains; rank 0 alone writes files and wandb, and when another rank
     fails, or a signal stops it at once, rank 0 records the run with that rank's report; when rank 0's process
@@ -388,7 +388,7 @@ def save_predictions(run_dir: Path, outcome: Any, data: TaskData) -> None:
 
 def save_trained(run_dir: Path, model: Any, s: Settings, record: RunRecord, outcome: Any) -> None:
     """``adapter/`` (the tested best-dev state), ``adapter_last/`` (``train.save=last|both``), and ``model/`` for a
-    full-parameter method with ``train.save_model=true`` (adazeta.saving)."""
+    full-parameter method with ``train.save_model=true`` (adazeta.runs.saving)."""
     kind, config = s.adapter.kind, s.adapter.config
     if not config.trains:
         return

@@ -15,10 +15,10 @@ from omegaconf import DictConfig, OmegaConf
 import adazeta.adapters  # noqa: F401  (registers the built-in adapters)
 import adazeta.optim  # noqa: F401  (registers the built-in optimizers)
 from adazeta.adapters import ADAPTERS
-from adazeta.calibration import CALIBRATIONS
+from adazeta.scoring.calibration import CALIBRATIONS
 from adazeta.distributed import DistributedConfig
 from adazeta.errors import ConfigError
-from adazeta.icl import DemonstrationConfig
+from adazeta.tasks.demonstrations import DemonstrationConfig
 from adazeta.models import ModelConfig, complete_config
 from adazeta.optim import OPTIMIZERS
 from adazeta.probe import ProbeConfig
@@ -61,7 +61,7 @@ class Settings:
     raw: dict[str, Any]  # the composed config, for provenance
     demonstrations: DemonstrationConfig | None = None  # ICL: solved train examples before each prompt
     probe: ProbeConfig | None = None  # LP: a logistic regression on frozen features instead of training
-    calibration: str = "none"  # training-free scoring: none | contextual | prior (adazeta.calibration)
+    calibration: str = "none"  # training-free scoring: none | contextual | prior (adazeta.scoring.calibration)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)  # several processes
     guard: GuardConfig = dataclasses.field(default_factory=GuardConfig)  # numerical guards (adazeta.guards)
 

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from adazeta.errors import ConfigError
-from adazeta.evaluate import Dependence
-from adazeta.rundir import atomic_write_text
+from adazeta.scoring.evaluate import Dependence
+from adazeta.runs.rundir import atomic_write_text
 
 log = logging.getLogger("adazeta")
 
@@ -70,7 +70,7 @@ class DivergenceConfig:
     reference trainers (a run trains every step; a non-finite loss still ends it, and a collapse unless
     ``collapse`` is off).
 
-    Input-independent answers (``independent``; ``adazeta.evaluate.Dependence``): a dev evaluation of at least
+    Input-independent answers (``independent``; ``adazeta.scoring.evaluate.Dependence``): a dev evaluation of at least
     ``independent_min_examples`` examples where ``independent_answer_share`` of them or more give one answer that
     fewer of their gold labels are, or whose score gap varies across examples less than
     ``independent_gap_ratio`` x as much as at the first evaluation. Measured at every evaluation and written to

@@ -23,11 +23,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from adazeta.distributed import Spread, all_sum_, signals_by_rank
 from adazeta.errors import ConfigError
-from adazeta.evaluate import EvalResult, evaluate
+from adazeta.scoring.evaluate import EvalResult, evaluate
 from adazeta.guards import GuardConfig, UpdateCheck, UpdateGuard, ranks_agree
 from adazeta.optim import zeroth_order
 from adazeta.optim.batched import ReplicaClosure
-from adazeta.rundir import Interrupted
+from adazeta.runs.rundir import Interrupted
 from adazeta.scoring import Batch, Encoded, Scorer
 from adazeta.tasks.objectives import gold_only
 from adazeta.tracking import DivergenceMonitor, Progress, Tracker, peak_memory_mb, sync
@@ -66,7 +66,7 @@ class TrainConfig:
     # The LM loss (COPA, ReCoRD, SQuAD, DROP): each example's mean token loss averaged over examples (`example`), or
     # the mean over all gold tokens of the batch (`token`: MeZO's CrossEntropyLoss over every option token).
     lm_reduction: str = "example"
-    # What a run keeps of what it trained (adazeta.saving): its adapters at the tested best-dev state (`best`), at
+    # What a run keeps of what it trained (adazeta.runs.saving): its adapters at the tested best-dev state (`best`), at
     # the last step (`last`), both, or nothing; full-parameter methods write the whole model only with save_model.
     save: str = "best"
     save_model: bool = False
@@ -114,7 +114,7 @@ class Outcome:
     last_state: dict[str, torch.Tensor] | None = None  # train.save=last|both: the trainable state at the end
 
     def record_fields(self) -> dict[str, Any]:
-        """What happened, as the run record's fields (``adazeta.record.RunRecord``): how it ended, the kept state's
+        """What happened, as the run record's fields (``adazeta.runs.record.RunRecord``): how it ended, the kept state's
         dev result and, unless it was interrupted (it resumes instead of being tested), its test result."""
         fields: dict[str, Any] = {"status": self.status, "reason": self.reason, "steps": self.steps,
                                   "best_step": self.best_step, "forward_passes": self.forward_passes,
@@ -142,7 +142,7 @@ class Checkpoints:
     state a previous, interrupted run saved, or None; ``stop()`` returns the reason to stop (a signal's name)
     or None. The loop checks ``stop()`` once per step, after the step's records are written, and once more
     before the test evaluation. ``at(phase, where)`` tells the signal handling what the loop is doing
-    (``adazeta.rundir.PHASES``: a training step, or the final evaluation).
+    (``adazeta.runs.rundir.PHASES``: a training step, or the final evaluation).
     """
 
     def __init__(self, save: Callable[[dict], None], resume: dict | None = None,

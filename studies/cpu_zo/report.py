@@ -23,7 +23,7 @@ from pathlib import Path
 from adazeta.tools import one_line_errors
 from adazeta.tools.twins import read_csv
 from adazeta import stats
-from adazeta.record import read_record
+from adazeta.runs.record import read_record
 from adazeta.tools.experiment import UNDECIDED, Job, chosen_lr
 from adazeta.tools.experiment import load as load_experiment
 

@@ -113,7 +113,7 @@ def add_bottleneck_adapters(model: nn.Module, cfg: BottleneckAdapterConfig) -> n
         adapter = BottleneckAdapter(features, cfg.bottleneck, cfg.activation, device=base.weight.device, init=cfg.init)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, AdaptedLinear(base, adapter, position))
-    from adazeta.saving import refuse_save_pretrained
+    from adazeta.runs.saving import refuse_save_pretrained
 
     refuse_save_pretrained(model)  # its keys are renamed now: adazeta.save_adapters keeps what trains
     return model

@@ -27,7 +27,7 @@ LOCAL_KEYS = ("model.model_dir", "model.device", "model.device_map")
 def saved_folder(source: str) -> Path:
     """The folder of saved adapters ``source`` names: an ``adapter/`` folder itself, or the run directory that holds
     one."""
-    from adazeta.saving import ADAPTER_CONFIG
+    from adazeta.runs.saving import ADAPTER_CONFIG
 
     path = Path(source).expanduser()
     for folder in (path, path / "adapter"):
@@ -46,8 +46,8 @@ def saved_folder(source: str) -> Path:
 def _unfinished(run_dir: Path) -> str | None:
     """Why a run directory without adapters has none because it did not end (interrupted, failed, still running),
     and how to finish it; None for a run that ended, or a folder that holds no run."""
-    from adazeta.record import read_record, resume_hint
-    from adazeta.rundir import holder
+    from adazeta.runs.record import read_record, resume_hint
+    from adazeta.runs.rundir import holder
 
     who = holder(run_dir)
     if who is not None:
@@ -78,13 +78,13 @@ class SavedConfig(AdapterCapabilities):
     def check_ready(self) -> None:
         if not self.source:
             raise ConfigError("method=eval needs eval.from=<run directory or its adapter/ folder>")
-        from adazeta.saving import check_saved
+        from adazeta.runs.saving import check_saved
 
         check_saved(saved_folder(self.source))  # checked before any model loads: there, and whole
 
     def count_modules(self, model: nn.Module) -> int:
         """The adapter modules of the kind saved in ``source`` (peft's folder: LoRA), as that kind counts them."""
-        from adazeta.saving import ADAPTER_CONFIG
+        from adazeta.runs.saving import ADAPTER_CONFIG
 
         folder = saved_folder(str(self.source))
         kind = "lora" if (folder / "adapter_config.json").is_file() else \
@@ -94,7 +94,7 @@ class SavedConfig(AdapterCapabilities):
 
 @ADAPTERS.register("saved", SavedConfig)
 def load_saved(model: nn.Module, cfg: SavedConfig) -> nn.Module:
-    from adazeta.saving import load_adapters
+    from adazeta.runs.saving import load_adapters
 
     cfg.check_ready()
 

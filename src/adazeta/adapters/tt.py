@@ -431,7 +431,7 @@ def add_tt_adapters(model: nn.Module, cfg: TTAdapterConfig, generator: torch.Gen
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, AdaptedLinear(base, adapter, position))
     group_tt_layers(model)
-    from adazeta.saving import refuse_save_pretrained
+    from adazeta.runs.saving import refuse_save_pretrained
 
     refuse_save_pretrained(model)  # its keys are renamed now: adazeta.save_adapters keeps what trains
     return model

@@ -30,7 +30,7 @@ class Family:
     strips_hook_prompt: bool  # a hook-rendered prompt loses its leading whitespace
     kshot_data: bool  # reads the task's ``masked_data`` sources (LM-BFF's k-shot splits)
     # The task config's keys it never reads (the other family's prompt format and data): a run of this family is
-    # not a different run when only they differ (``adazeta.rundir``).
+    # not a different run when only they differ (``adazeta.runs.rundir``).
     unread_task_keys: tuple[str, ...] = ()
 
     def __str__(self) -> str:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from adazeta.generation import GenerationSet
+    from adazeta.scoring.generation import GenerationSet
     from adazeta.tasks.loaders import TaskData
     from adazeta.tasks.spec import TaskSpec
 
@@ -53,7 +53,7 @@ def build_objective(
     """The objective of ``spec``; generation tasks get their dev/test generation sets (and the ZO F1 loss)."""
     if spec.objective != "generation":
         return Objective(spec.objective)
-    from adazeta.generation import F1Loss, GenerationSet, stop_token_ids
+    from adazeta.scoring.generation import F1Loss, GenerationSet, stop_token_ids
 
     stops = stop_token_ids(tokenizer)
 

@@ -272,7 +272,7 @@ def main() -> None:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows({k: r.get(k) for k in COLUMNS} for r in rows)
-    from adazeta.results import git_state, package_versions
+    from adazeta.runs.results import git_state, package_versions
 
     provenance = {
         "model": args.model, "task": args.task, "batch_size": args.batch_size, "steps": args.steps,

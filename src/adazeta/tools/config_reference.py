@@ -36,7 +36,7 @@ METHOD_KEYS = {
     "optimizer": "the optimizer option composed at method.optimizer (conf/optimizer/); null: the method trains nothing",
     "adapter": "the trainable set composed at method.adapter (conf/adapter/): its options override the adapter's",
     "calibration": "none | contextual (content-free inputs, Zhao et al. 2021) | prior (a bias per candidate fitted "
-                   "on dev): adazeta/calibration.py",
+                   "on dev): adazeta/scoring/calibration.py",
     "demonstrations": "in-context demonstrations: how many, their separator, their seed and protocol",
     "probe": "the linear probe: its C grid on dev, standardisation, iterations and variant",
 }

@@ -87,7 +87,7 @@ class Saved:
 
 def check(run_dir: Path, folder: str = "adapter", assignments: Sequence[str] = ()) -> Saved:
     """Everything ``start_and_saved`` needs from the files, before any model is loaded: one line if it is missing."""
-    from adazeta.saving import ADAPTER_WEIGHTS
+    from adazeta.runs.saving import ADAPTER_WEIGHTS
 
     result = run_dir / "result.json"
     s = run_settings(run_dir, list(assignments))
@@ -112,7 +112,7 @@ def start_and_saved(run_dir: Path, folder: str = "adapter",
 
     from adazeta.build import attach_adapter, seed_everything
     from adazeta.models import load_model
-    from adazeta.saving import HEAD_WEIGHTS, load_into, is_peft, trainable_tensors
+    from adazeta.runs.saving import HEAD_WEIGHTS, load_into, is_peft, trainable_tensors
     from adazeta.tracking import quiet_third_party
 
     saved = check(run_dir, folder, assignments)

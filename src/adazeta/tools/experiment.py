@@ -39,9 +39,9 @@ from typing import Any
 from adazeta.errors import ConfigError
 from adazeta.experiments import Arm, Design, budget_at, compose_experiment, design_of
 from adazeta.tools.offline import use_shared
-from adazeta.record import ENDED, main_score
-from adazeta.results import git_state
-from adazeta.rundir import holder
+from adazeta.runs.record import ENDED, main_score
+from adazeta.runs.results import git_state
+from adazeta.runs.rundir import holder
 
 PHASES = ("select", "seeds", "stress")
 

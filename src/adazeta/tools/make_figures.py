@@ -19,7 +19,7 @@ import pandas as pd
 
 from adazeta.tools import one_line_errors
 from adazeta.tools.plots import convergence_figure, memory_figure, plt, read_run, run_figure, save_figure
-from adazeta.record import read_record
+from adazeta.runs.record import read_record
 from adazeta.tools.tables import load_results, select_on_dev, setting_id, setting_of
 
 

@@ -24,8 +24,8 @@ import pandas as pd
 
 from adazeta import stats
 from adazeta.errors import ConfigError
-from adazeta.record import main_score, read_record
-from adazeta.rundir import flatten, result_settings
+from adazeta.runs.record import main_score, read_record
+from adazeta.runs.rundir import flatten, result_settings
 
 if TYPE_CHECKING:
     import numpy as np

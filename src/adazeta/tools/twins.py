@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adazeta.errors import ConfigError
-from adazeta.record import read_record
+from adazeta.runs.record import read_record
 from adazeta.tools import one_line_errors
 
 
@@ -61,7 +61,7 @@ class Twins:
 
 def cpu(rec: dict) -> str:
     """The CPU (or device) name a run's result records, ``?`` where it has none."""
-    from adazeta.results import cpu_label
+    from adazeta.runs.results import cpu_label
 
     device = rec.get("device") or {}
     if not isinstance(device, dict):

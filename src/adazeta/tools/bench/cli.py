@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from adazeta.optim.spsa import NOISE_STREAMS
-from adazeta.results import cpu_name, git_state, package_versions
+from adazeta.runs.results import cpu_name, git_state, package_versions
 from adazeta.build import seed_everything
 from adazeta.scoring import Scorer
 from adazeta.tools import bench as package

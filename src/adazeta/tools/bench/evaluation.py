@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from adazeta.evaluate import evaluate
+from adazeta.scoring.evaluate import evaluate
 from adazeta.tools.bench.common import Report, Setup, Stats, timed
 
 

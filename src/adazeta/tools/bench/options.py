@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from adazeta.tools.fidelity import autograd_gradient, estimate_cosine, projected_gradients
 from adazeta.optim.batched import ReplicaClosure
 from adazeta.precision import BF16_FEATURES, Int8Linear, cpu_flags
-from adazeta.results import cpu_name
+from adazeta.runs.results import cpu_name
 from adazeta.tools.bench.common import Report, Setup, setup_for, timed, zo_optimizer
 
 FIDELITY_QUERIES = (1, 4, 16)

@@ -29,8 +29,8 @@ from adazeta import stats
 from adazeta.errors import ConfigError
 from adazeta.experiments import budget_at, compose_experiment, design_of
 from adazeta.tools.plots import matrix_figure, plt, read_run, save_figure
-from adazeta.record import ENDED, read_record
-from adazeta.results import cpu_label
+from adazeta.runs.record import ENDED, read_record
+from adazeta.runs.results import cpu_label
 from adazeta.tools.tables import MISSING, correct_on_test, build_table, load_paper_numbers, load_results, select_on_dev
 
 CALIBRATED = "calibrated"

@@ -15,7 +15,7 @@ import numpy as np
 
 from adazeta.errors import ConfigError
 from adazeta.experiments import Design
-from adazeta.record import read_record
+from adazeta.runs.record import read_record
 from adazeta.tools import twins
 from adazeta.tools.twins import read_csv
 from adazeta.tools.experiment import Job

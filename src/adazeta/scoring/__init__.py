@@ -19,6 +19,9 @@ Savings over scoring one full sequence per candidate, none of which changes a nu
 The ``rows`` layout (one right-padded row per example, or per candidate when a candidate is longer than one
 token, and a plain padding mask) serves masked LMs and any model that cannot take a custom 4D attention mask
 with position ids (``packing_supported``); a packed batch falls back to it on its own.
+
+The package's other modules score through ``Scorer``: ``evaluate`` (batched evaluation), ``generation`` (greedy
+generation for the generation tasks) and ``calibration`` (calibrated zero-shot and ICL scores).
 """
 
 from __future__ import annotations
@@ -588,7 +591,7 @@ class Scorer:
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
     # The task's objective (``adazeta.tasks.objectives.Objective``): classification by default.
     objective: Objective = dataclasses.field(default_factory=Objective)
-    # (C,) added to every example's candidate scores: a calibration of a training-free method (adazeta.calibration)
+    # (C,) added to every example's candidate scores: a calibration of a training-free method (adazeta.scoring.calibration)
     bias: torch.Tensor | None = None
     tokenizer: Any = None  # what ``encode`` tokenises with; None for a scorer of already encoded examples
 

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from adazeta.errors import ConfigError
-from adazeta.evaluate import evaluate
+from adazeta.scoring.evaluate import evaluate
 from adazeta.scoring import Encoded, Scorer
 from adazeta.tasks.spec import BoundTask, Example
 

@@ -12,7 +12,7 @@ from adazeta.scoring import Batch, Scorer, gold_lengths, objective_loss
 if TYPE_CHECKING:
     import numpy as np
 
-    from adazeta.generation import GenerationSet
+    from adazeta.scoring.generation import GenerationSet
 
 
 @dataclass
@@ -172,7 +172,7 @@ def evaluate(
     metrics = {}
     predictions = None
     if generation is not None:
-        from adazeta.generation import generation_rows
+        from adazeta.scoring.generation import generation_rows
 
         if lines is not None:
             lines.generating()

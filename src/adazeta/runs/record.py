@@ -75,7 +75,7 @@ class RunRecord:
     device: dict[str, Any] = UNSET
     peak_mem_mb: float = UNSET
     dev_metrics: dict[str, float] = field(default_factory=dict)  # written as dev_<name>: f1, em
-    # How much the kept dev evaluation's answers depend on the input (adazeta.evaluate.Dependence: the most common
+    # How much the kept dev evaluation's answers depend on the input (adazeta.scoring.evaluate.Dependence: the most common
     # answer's share, the gold labels' share of it, the score gap's spread); test_dependence the same for test.
     dev_dependence: dict[str, Any] = UNSET
     # interrupted: the signal that stopped it; finished, diverged: a signal that came during the final evaluation,

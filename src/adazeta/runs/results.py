@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from adazeta.errors import ConfigError
-from adazeta.record import ENDED, main_score
-from adazeta.rundir import atomic_write_text
+from adazeta.runs.record import ENDED, main_score
+from adazeta.runs.rundir import atomic_write_text
 
 PACKAGES = ("adazeta", "torch", "transformers", "peft", "datasets", "hydra-core", "wandb", "tensorly", "gguf")
 STATUSES = ("finished", "diverged", "stalled", "failed", "interrupted")
