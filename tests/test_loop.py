@@ -18,6 +18,47 @@ def test_the_loop_reads_top_to_bottom_in_sixty_lines_or_fewer():
     assert node.end_lineno - node.lineno + 1 <= 60
 
 
+STATUSES = {"finished", "diverged", "stalled", "interrupted"}
+
+
+def assigned_attributes(node: ast.AST) -> set[str]:
+    """The attribute names ``node`` assigns (``x.a = ...``, ``x.a += ...``, ``x.a, x.b = ...``)."""
+    targets = [t for n in ast.walk(node) if isinstance(n, ast.Assign) for t in n.targets]
+    targets += [n.target for n in ast.walk(node) if isinstance(n, (ast.AugAssign, ast.AnnAssign))]
+    flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+    return {t.attr for t in flat if isinstance(t, ast.Attribute)}
+
+
+def test_the_loop_has_one_exit_and_never_decides_a_status():
+    """``train()`` returns once, as its last statement, and names no status: each ending is decided by the piece
+    that saw it (``Ending``: the step's guards, the budget, a stop signal; ``LoopState.finish`` turns it into the
+    run's outcome)."""
+    node = ast.parse(inspect.getsource(train_module.train)).body[0]
+    returns = [n for n in ast.walk(node) if isinstance(n, ast.Return)]
+    assert len(returns) == 1 and node.body[-1] is returns[0]
+    assert not assigned_attributes(node) & {"status", "reason"}
+    named = {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    assert not named & STATUSES
+
+
+def test_the_loop_state_holds_pieces_that_own_their_fields():
+    """The kept state (``Kept``), the position (``Position``) and a resume (``Resume``) own their fields: no
+    method of ``LoopState`` assigns one of theirs, or a status, on itself."""
+    owned = {"step", "forward_passes", "max_steps", "budget", "best", "best_step", "best_state", "initial", "state",
+             "done", "first_step", "status", "reason"}
+    node = ast.parse(inspect.getsource(train_module.LoopState)).body[0]
+    own = {t.attr for n in ast.walk(node) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+           for t in ([*n.targets] if isinstance(n, ast.Assign) else [n.target])
+           for t in (t.elts if isinstance(t, ast.Tuple) else [t])
+           if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    assert own and not own & owned, own & owned
+
+
+def test_the_assignment_reader_sees_every_form():
+    source = "a.status = 1\nb.reason += 'x'\nc.x, d.y = 1, 2\ne.z: int = 3\nf = 4\n"
+    assert assigned_attributes(ast.parse(source)) == {"status", "reason", "x", "y", "z"}
+
+
 class Recorder(Observer):
     def __init__(self):
         self.steps, self.evals, self.forwards = [], [], []

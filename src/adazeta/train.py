@@ -1,6 +1,7 @@
 """The training loop: minibatches over epochs, a ZO or first-order step, dev evaluation, best-dev checkpoint.
-Over 400 lines: the loop's named pieces (data order, evaluation schedule, one step, checkpoints, observers) sit
-beside the short ``train()`` that reads them, in the order they run.
+Over 400 lines: the loop's named pieces (how it ends, data order, evaluation schedule, the kept state, the position,
+a resume, one step, checkpoints, observers) sit beside the short ``train()`` that reads them, in the order they
+run; ``train()`` has one exit and leaves every ending to the piece that sees it.
 
 Read top to bottom. Everything it needs arrives as typed arguments; it never sees the Hydra config.
 """
@@ -246,45 +247,40 @@ def train(scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Split
     ``scorer.objective`` is the task's: classification by default; the LM loss (COPA, ReCoRD); generation
     (SQuAD, DROP: scored by F1 of greedy generations, optionally trained on -F1 by ZO methods).
     Every rank of a run on several processes (``loop.spread``) runs this loop on the same data and takes the same
-    decisions. The pieces (``LoopState``: evaluations, the step, checkpoints) are below, in the order they run.
+    decisions. The pieces (``LoopState`` and what it holds: the kept state, the position, a resume) are below, in
+    the order they run; each ``Ending`` is decided by the piece that saw it.
     """
     t = LoopState(scorer, optimizer, splits, cfg, loop)
-    if t.resume is None:
-        t.initial = t.best = t.dev_eval(0)
-        reason = t.monitor.update(t.initial.loss, t.initial.tied, t.initial.dependence) if t.initial.n else None
-        if reason is not None:  # e.g. an adapter init that already overflows: nothing to train from
-            t.status, t.reason = "diverged", reason
-            return Outcome(t.status, reason, 0, 0, t.initial, t.initial, t.final_test(0), 0)
-        t.best_state = trainable_state(t.model) if cfg.keep_best and optimizer else None
-    else:
-        t.restore_evaluations()
-    if optimizer is None:
-        return Outcome(t.status, t.reason, 0, 0, t.initial, t.best, t.final_test(0), 0)
+    ending = t.begin()  # the initial dev evaluation (a resumed run's, restored); an init already diverged ends here
+    if ending is None and optimizer is not None:
+        ending = t.start_training()  # None, or the ending of a resumed run whose training had ended (test left)
+        for step in t.steps():
+            if (ending := t.advance(step)) is not None:
+                break
+    return t.finish(ending)
 
-    t.start_training()  # data order, update guard, progress; a resumed run's weights, optimizer and generators
-    for step in t.steps():
-        epoch, chosen = t.batches.at(step, splits.train)
-        loss, n_queries, check = t.take_step(step, epoch, chosen)
-        reason = t.monitor.non_finite(loss)
-        if reason is None and check is not None and (reason := t.updates.stalled(optimizer)) is not None:
-            t.status, t.reason = "stalled", reason
-            break
-        out_of_budget = t.budget is not None and t.forward_passes >= t.budget
-        if reason is None and t.evals.due(step, t.forward_passes, out_of_budget):
-            reason = t.evaluate(step)
-        if reason is not None:
-            t.status, t.reason = "diverged", reason
-            break
-        if out_of_budget:
-            break
-        stop = _stop_request(t.ckpt, t.spread, t.device)  # every rank stops at the same step
-        if stop is not None:
-            t.save(step)
-            t.progress.close()
-            return t.outcome_interrupted(stop, f"{stop[1]} at step {step}")
-        if cfg.checkpoint_every is not None and step % cfg.checkpoint_every == 0 and step < t.max_steps:
-            t.save(step)
-    return t.finish()
+
+@dataclass(frozen=True)
+class Ending:
+    """How training ended, decided where it was seen: ``diverged`` or ``stalled`` (the guard's reason),
+    ``finished`` (the last step or the forward budget), or ``interrupted`` by a stop signal at a step boundary
+    (checkpointed; the run resumes instead of being tested)."""
+
+    status: str
+    reason: str | None = None
+    signal: str | None = None  # interrupted: the stop signal (the lowest rank's, when several processes got one)
+
+    @staticmethod
+    def interrupted(stop: tuple[str, str], where: str) -> "Ending":
+        return Ending("interrupted", f"{stop[1]} at {where}", stop[0])
+
+    @property
+    def done(self) -> tuple[str, str | None]:
+        """How a checkpoint written after training records it (the test is what is left)."""
+        return self.status, self.reason
+
+
+FINISHED = Ending("finished")
 
 
 class Observer:
@@ -343,8 +339,96 @@ class EvalSchedule:
         return due or step == self.max_steps or out_of_budget
 
 
+class Kept:
+    """The best-state keeper: the initial and the best dev evaluation, the step of the best and the trainable state
+    kept in memory for it (``train.keep_best``). An evaluation replaces the best from ``train.select_from`` on, by
+    ``better``'s rule, when the divergence monitor calls it keepable (not collapsed)."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.initial: EvalResult | None = None
+        self.best: EvalResult | None = None
+        self.step = 0
+        self.state: dict[str, torch.Tensor] | None = None
+
+    def start(self, initial: EvalResult) -> None:
+        self.initial = self.best = initial
+
+    def keep_initial(self, model: nn.Module) -> None:
+        self.state = trainable_state(model) if self.cfg.keep_best else None
+
+    def offer(self, step: int, result: EvalResult, monitor: DivergenceMonitor, model: nn.Module) -> None:
+        cfg = self.cfg
+        if step >= cfg.select_from and monitor.keepable(result.tied, result.dependence) and (
+                self.step < cfg.select_from or better(result, self.best, cfg.select_on)):
+            self.best, self.step = result, step
+            self.state = trainable_state(model) if cfg.keep_best else None
+
+    def put_back_(self, model: nn.Module, last_step: int) -> None:
+        """After training: the kept state into the model (``train.keep_best``), else the last step is the kept one."""
+        if self.cfg.keep_best and self.state is not None:
+            load_trainable_state_(model, self.state)
+        elif not self.cfg.keep_best:
+            self.step = last_step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"initial": dataclasses.asdict(self.initial), "best": dataclasses.asdict(self.best),
+                "best_step": self.step, "best_state": self.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.initial, self.best = EvalResult.restore(state["initial"]), EvalResult.restore(state["best"])
+        self.step, self.state = state["best_step"], state["best_state"]
+
+
+class Position:
+    """Where training is: the step (1-based; 0 before the first), the forward passes spent, the last step to take
+    and the forward budget."""
+
+    def __init__(self, max_steps: int, budget: int | None):
+        self.max_steps, self.budget = max_steps, budget
+        self.step, self.forward_passes = 0, 0
+
+    @property
+    def out_of_budget(self) -> bool:
+        return self.budget is not None and self.forward_passes >= self.budget
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "forward_passes": self.forward_passes}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.forward_passes = state["step"], state["forward_passes"]
+
+
+class Resume:
+    """The checkpoint an interrupted run left (``LoopState.save`` wrote it), read back piece by piece: the
+    evaluations before training starts, the rest (weights, optimizer, data order, generators, position, update
+    guard) when it does. ``ending``: training had ended when it was written; only the test is left."""
+
+    def __init__(self, state: dict[str, Any]):
+        self.state = state
+        done = state.get("done")
+        self.ending = Ending(*done) if done is not None else None
+
+    def restore_evaluations(self, kept: Kept, monitor: DivergenceMonitor) -> None:
+        kept.load_state_dict(self.state)
+        monitor.load_state_dict(self.state["monitor"])
+
+    def restore_training(self, model: nn.Module, optimizer: torch.optim.Optimizer, batches: "Batches",
+                         position: Position, evals: "EvalSchedule", updates: UpdateGuard) -> None:
+        s = self.state
+        load_trainable_state_(model, s["trainable"])
+        optimizer.load_state_dict(s["optimizer"])
+        batches.load_state_dict(s)
+        set_rng_state(s["rng"])
+        position.load_state_dict(s)
+        evals.last_forwards = s["last_eval_forwards"]
+        updates.load_state_dict(s.get("stalls", []))
+
+
 class LoopState:
-    """The training loop's state and its named pieces: evaluations, one step, checkpoints, the end of a run."""
+    """The training loop's pieces and what they share: the run's inputs, the kept state (``Kept``), the position
+    (``Position``), a resume (``Resume``), and the parts built when training starts (data order, evaluation
+    schedule, update guard, progress)."""
 
     def __init__(self, scorer: Scorer, optimizer: torch.optim.Optimizer | None, splits: Splits, cfg: TrainConfig,
                  loop: Loop):
@@ -352,20 +436,33 @@ class LoopState:
         self.model, self.device, self.obj = scorer.model, scorer.device, scorer.objective
         self.monitor, self.spread = loop.monitor, loop.spread
         self.ckpt = loop.checkpoints or Checkpoints(save=lambda state: None)
-        self.resume = self.ckpt.resume
+        self.resume = Resume(self.ckpt.resume) if self.ckpt.resume is not None else None
         if self.obj.zo_loss is not None and optimizer is not None and not zeroth_order(optimizer):
             raise ConfigError(
                 "task.f1_objective=true trains on the F1 of generated answers, which has no gradient: "
                 "use a zeroth-order method, or set task.f1_objective=false"
             )
-        self.status, self.reason, self.step = "finished", None, 0
-        self.best_step, self.best_state, self.forward_passes = 0, None, 0
-        self.done: tuple[str, str | None] | None = None  # a resumed run whose training had ended: test only
+        self.kept = Kept(cfg)
+        self.position = Position(cfg.max_steps, cfg.max_forward_passes)  # start_training() sets the run's length
         self.training = False  # start_training() ran: the state can be checkpointed
         for observer in loop.observers:
             observer.on_start(scorer, optimizer)
 
     # --- evaluations -------------------------------------------------------------------------------------------
+
+    def begin(self) -> Ending | None:
+        """The initial dev evaluation and the divergence rule's first verdict; a resumed run's, restored."""
+        if self.resume is not None:
+            self.resume.restore_evaluations(self.kept, self.monitor)
+            return None
+        initial = self.dev_eval(0)
+        self.kept.start(initial)
+        reason = self.monitor.update(initial.loss, initial.tied, initial.dependence) if initial.n else None
+        if reason is not None:  # e.g. an adapter init that already overflows: nothing to train from
+            return Ending("diverged", reason)
+        if self.optimizer is not None:
+            self.kept.keep_initial(self.model)
+        return None
 
     def dev_eval(self, step: int) -> EvalResult:
         # A training run stops at the next step boundary; a training-free one finishes its evaluations first.
@@ -377,7 +474,7 @@ class LoopState:
                 observer.on_eval(step, "dev", result)
         return result
 
-    def final_test(self, tested_step: int) -> EvalResult:
+    def final_test(self, tested_step: int, ending: Ending) -> EvalResult:
         """The test evaluation, as the last thing the run does: a first signal lets it finish; a second stops at
         once, after a checkpoint of the trained state (the same command then runs the test alone)."""
         self.ckpt.at("final", "the final test evaluation")
@@ -386,79 +483,91 @@ class LoopState:
             self.loop.tracker.log_eval(tested_step, "test", result.loss, result.score, result.tied)
         except Interrupted:
             if self.training:  # a run that trains: keep what it trained, the test alone is left
-                self.save(self.step, done=(self.status, self.reason))
+                self.save(done=ending.done)
             raise
         for observer in self.loop.observers:
             observer.on_eval(tested_step, "test", result)
         self.ckpt.at("save", "the run's record")
         return result
 
-    def restore_evaluations(self) -> None:
-        r = self.resume
-        self.initial, self.best = EvalResult.restore(r["initial"]), EvalResult.restore(r["best"])
-        self.best_step, self.best_state = r["best_step"], r["best_state"]
-        self.monitor.load_state_dict(r["monitor"])
-
     def evaluate(self, step: int) -> str | None:
-        """Dev at ``step``: keep the state if it is the best so far; the divergence rule's verdict."""
-        self.evals.last_forwards = self.forward_passes
+        """Dev at ``step``: offered to the keeper; the divergence rule's verdict."""
+        self.evals.last_forwards = self.position.forward_passes
         result = self.dev_eval(step)
-        cfg = self.cfg
-        if step >= cfg.select_from and self.monitor.keepable(result.tied, result.dependence) and (
-                self.best_step < cfg.select_from or better(result, self.best, cfg.select_on)):
-            self.best, self.best_step = result, step
-            self.best_state = trainable_state(self.model) if cfg.keep_best else None
-        self.progress.evaluated(step, result.score, result.metric, result.loss, self.best_step)
+        self.kept.offer(step, result, self.monitor, self.model)
+        self.progress.evaluated(step, result.score, result.metric, result.loss, self.kept.step)
         return self.monitor.update(result.loss, result.tied, result.dependence)
 
     # --- training ----------------------------------------------------------------------------------------------
 
-    def start_training(self) -> None:
-        cfg, loop, optimizer, resume = self.cfg, self.loop, self.optimizer, self.resume
+    def start_training(self) -> Ending | None:
+        """The parts training needs (data order, update guard, evaluation schedule, progress; the run's length);
+        a resumed run's weights, optimizer, generators and position. Returns the ending of a resumed run whose
+        training had ended (its test is left), else None."""
+        cfg, loop, optimizer = self.cfg, self.loop, self.optimizer
         self.training, self.zo = True, zeroth_order(optimizer)
         length = loop.length or RunLength(steps_per_epoch(len(self.splits.train), cfg.batch_size), cfg.max_steps,
                                           cfg.max_forward_passes, 0.0)
-        self.max_steps, self.budget = length.max_steps, length.max_forward_passes
+        self.position = Position(length.max_steps, length.max_forward_passes)
         self.batches = Batches(len(self.splits.train), cfg.batch_size, length.steps_per_epoch, loop.seed)
         self.trainable = [p for group in optimizer.param_groups for p in group["params"]]
         self.updates = UpdateGuard(self.trainable, loop.guard, loop.seed)  # measured updates, the stall stop
-        self.evals, first_step = EvalSchedule(cfg, self.max_steps), 1
-        if resume is not None:
-            load_trainable_state_(self.model, resume["trainable"])
-            optimizer.load_state_dict(resume["optimizer"])
-            self.batches.load_state_dict(resume)
-            set_rng_state(resume["rng"])
-            self.step = resume["step"]
-            first_step, self.forward_passes = self.step + 1, resume["forward_passes"]
-            self.evals.last_forwards = resume["last_eval_forwards"]
-            self.updates.load_state_dict(resume.get("stalls", []))
-            self.done = resume.get("done")
-            if self.done is not None:  # the checkpoint of a trained run, written before its test evaluation
-                self.status, self.reason = self.done
-        self.first_step = first_step
+        self.evals = EvalSchedule(cfg, length.max_steps)
+        if self.resume is not None:
+            self.resume.restore_training(self.model, optimizer, self.batches, self.position, self.evals,
+                                         self.updates)
         self.ddp = None
         if self.spread is not None and not self.zo:  # gradients averaged over the ranks' shards
             self.ddp = DistributedDataParallel(
                 LossModule(self.scorer), device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 broadcast_buffers=False)
-        self.progress = Progress(self.max_steps, initial=first_step - 1, budget=self.budget,
-                                 initial_forwards=self.forward_passes, select_on=cfg.select_on)
-        if resume is not None:
-            self.progress.evaluated(self.best_step, self.best.score, self.best.metric, self.best.loss, self.best_step)
+        p = self.position
+        self.progress = Progress(p.max_steps, initial=p.step, budget=p.budget, initial_forwards=p.forward_passes,
+                                 select_on=cfg.select_on)
+        if self.resume is not None:
+            kept = self.kept
+            self.progress.evaluated(kept.step, kept.best.score, kept.best.metric, kept.best.loss, kept.step)
+            return self.resume.ending
+        return None
 
     def steps(self) -> Iterator[int]:
         """The steps left to take (none when a resumed run had finished training), each announced to the signal
         handling."""
-        last = self.max_steps if self.done is None else self.step
-        for step in range(self.first_step, last + 1):
-            self.step = step
+        p = self.position
+        last = p.max_steps if self.resume is None or self.resume.ending is None else p.step
+        for step in range(p.step + 1, last + 1):
+            p.step = step
             self.ckpt.at("step", f"step {step}")
             yield step
+
+    def advance(self, step: int) -> Ending | None:
+        """One step and what follows it: the guards' verdicts, a due evaluation, the forward budget, a stop signal
+        (checkpoint, then end) and the periodic checkpoint. The ending, if this step ends training."""
+        epoch, chosen = self.batches.at(step, self.splits.train)
+        loss, n_queries, check = self.take_step(step, epoch, chosen)
+        reason = self.monitor.non_finite(loss)
+        if reason is None and check is not None and (stalled := self.updates.stalled(self.optimizer)) is not None:
+            return Ending("stalled", stalled)
+        out_of_budget = self.position.out_of_budget
+        if reason is None and self.evals.due(step, self.position.forward_passes, out_of_budget):
+            reason = self.evaluate(step)
+        if reason is not None:
+            return Ending("diverged", reason)
+        if out_of_budget:
+            return FINISHED
+        stop = _stop_request(self.ckpt, self.spread, self.device)  # every rank stops at the same step
+        if stop is not None:
+            self.save()
+            return Ending.interrupted(stop, f"step {step}")
+        if self.cfg.checkpoint_every is not None and step % self.cfg.checkpoint_every == 0 \
+                and step < self.position.max_steps:
+            self.save()
+        return None
 
     def take_step(self, step: int, epoch: int, chosen: list[Encoded]) -> tuple[float, int, UpdateCheck | None]:
         """One optimizer step on ``chosen``, its record (metrics.csv, wandb, observers) and its checks: (loss,
         queries, the update guard's measurement or None)."""
-        optimizer, loop = self.optimizer, self.loop
+        optimizer, loop, p = self.optimizer, self.loop, self.position
         if self.obj.trains_on_gold_only:
             chosen = gold_only(chosen)
         measured = self.updates.before(step)
@@ -467,12 +576,12 @@ class LoopState:
             n_queries = loop.schedule(epoch)
             closure, plan = step_closure(self.scorer, chosen, n_queries, self.spread)
             loss = optimizer.step(closure, n_queries=n_queries, **({"plan": plan} if plan is not None else {}))
-            self.forward_passes = optimizer.forward_passes
+            p.forward_passes = optimizer.forward_passes
         else:
             n_queries = 0
             loss = first_order_step(self.scorer, optimizer, chosen, self.cfg.grad_accum, ddp=self.ddp,
                                     spread=self.spread)
-            self.forward_passes += self.cfg.grad_accum
+            p.forward_passes += self.cfg.grad_accum
         loss_value = float(loss)  # one host sync per step, never per query
         sync(self.device)
         step_time = time.perf_counter() - start
@@ -482,7 +591,7 @@ class LoopState:
             "epoch": epoch,
             "loss": loss_value,
             "n_queries": n_queries,
-            "forward_passes": self.forward_passes,
+            "forward_passes": p.forward_passes,
             "lr": optimizer.param_groups[0]["lr"],
             "step_time_s": round(step_time, 4),
             "peak_mem_mb": round(peak_memory_mb(self.device), 1),
@@ -492,7 +601,7 @@ class LoopState:
         loop.tracker.log_step(row)
         for observer in loop.observers:
             observer.on_step(step, row, optimizer)
-        self.progress.step(step, loss_value, n_queries, self.forward_passes)
+        self.progress.step(step, loss_value, n_queries, p.forward_passes)
         guard = loop.guard
         if self.spread is not None and guard.checksum_every and step % guard.checksum_every == 0 \
                 and not ranks_agree(self.trainable):
@@ -502,40 +611,41 @@ class LoopState:
 
     # --- checkpoints and the end of a run ----------------------------------------------------------------------
 
-    def save(self, at_step: int, done: tuple[str, str | None] | None = None) -> None:
-        """The loop's state to a checkpoint; ``done``: training ended (status, reason), only the test is left."""
+    def save(self, done: tuple[str, str | None] | None = None) -> None:
+        """The loop's state at the current step to a checkpoint; ``done``: training ended (status, reason), only
+        the test is left."""
         self.ckpt.save({
-            "step": at_step, "forward_passes": self.forward_passes, "last_eval_forwards": self.evals.last_forwards,
+            **self.position.state_dict(), "last_eval_forwards": self.evals.last_forwards,
             "trainable": trainable_state(self.model), "optimizer": self.optimizer.state_dict(),
             **self.batches.state_dict(), "rng": rng_state(),
-            "initial": dataclasses.asdict(self.initial), "best": dataclasses.asdict(self.best),
-            "best_step": self.best_step, "best_state": self.best_state, "monitor": self.monitor.state_dict(),
+            **self.kept.state_dict(), "monitor": self.monitor.state_dict(),
             "done": done, "stalls": self.updates.state_dict(),
         })
 
-    def outcome_interrupted(self, stop: tuple[str, str], reason: str) -> Outcome:
-        return Outcome("interrupted", reason, self.step, self.best_step, self.initial, self.best, None,
-                       self.forward_passes, stop[0])
-
-    def finish(self) -> Outcome:
-        """After the last step: a last stop check, the closing checkpoint, the best-dev state back, the test."""
+    def finish(self, ending: Ending | None) -> Outcome:
+        """The run's one exit. A run that did not train (training-free, or an initial state that had already
+        diverged) is tested as it is. A trained run: a last stop check (a signal after the loop's last check
+        checkpoints it and stops before the test), the closing checkpoint, the kept state back, the test."""
+        ending = ending or FINISHED
+        kept, p = self.kept, self.position
+        if not self.training:
+            return Outcome(ending.status, ending.reason, 0, 0, kept.initial, kept.best, self.final_test(0, ending), 0)
         self.progress.close()
-        self.ckpt.at("step", "the end of training")
-        # A signal after the loop's last check (a divergence or the forward budget ended it): checkpoint the
-        # trained run and stop before its test evaluation, as at the last step.
-        stop = _stop_request(self.ckpt, self.spread, self.device)
-        if stop is not None:
-            self.save(self.step, done=(self.status, self.reason))
-            return self.outcome_interrupted(stop, f"{stop[1]} at step {self.step}, before the test evaluation")
+        if ending.status != "interrupted":
+            self.ckpt.at("step", "the end of training")
+            stop = _stop_request(self.ckpt, self.spread, self.device)
+            if stop is not None:
+                self.save(done=ending.done)
+                ending = Ending.interrupted(stop, f"step {p.step}, before the test evaluation")
+        if ending.status == "interrupted":  # checkpointed: the run resumes instead of being tested
+            return Outcome(ending.status, ending.reason, p.step, kept.step, kept.initial, kept.best, None,
+                           p.forward_passes, ending.signal)
         if self.cfg.checkpoint_every is not None:  # a run killed during its test evaluation resumes to the test
-            self.save(self.step, done=(self.status, self.reason))
+            self.save(done=ending.done)
         last_state = trainable_state(self.model) if self.cfg.save in ("last", "both") else None
-        if self.cfg.keep_best and self.best_state is not None:
-            load_trainable_state_(self.model, self.best_state)
-        elif not self.cfg.keep_best:
-            self.best_step = self.step
-        return Outcome(self.status, self.reason, self.step, self.best_step, self.initial, self.best,
-                       self.final_test(self.best_step), self.forward_passes, last_state=last_state)
+        kept.put_back_(self.model, p.step)
+        return Outcome(ending.status, ending.reason, p.step, kept.step, kept.initial, kept.best,
+                       self.final_test(kept.step, ending), p.forward_passes, last_state=last_state)
 
 
 def step_closure(scorer: Scorer, chosen: list[Encoded], n_queries: int,
