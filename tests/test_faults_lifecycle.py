@@ -577,6 +577,36 @@ def test_a_real_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(fixture
     assert not (tmp_path / "run" / "result.json").exists()
 
 
+@pytest.mark.parametrize("swallowed", [False, True])
+def test_a_ctrl_c_during_start_up_stops_it_even_where_a_library_swallows_it(swallowed, fixture_data, tmp_path,
+                                                                            monkeypatch, capsys):
+    """Ctrl-C while the overrides are checked (the settings parse imports torch): one line and exit 130, no run,
+    and the caller's SIGINT handler back. A library that catches it (a bare ``except`` around an optional import)
+    does not let the run begin anyway: the command remembers the signal and stops before the run starts.
+    Deterministic: the signal is sent from inside the start-up, not after a guessed delay."""
+    real_check = cli.check
+
+    def check_then_ctrl_c(*args, **kwargs):
+        checked = real_check(*args, **kwargs)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)  # the handler runs at the next bytecode boundary, inside this try
+        except BaseException:
+            if not swallowed:
+                raise
+        return checked
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    monkeypatch.setattr(cli, "check", check_then_ctrl_c)
+    monkeypatch.setattr(sys, "argv", ["adazeta-run", *overrides(fixture_data), f"hydra.run.dir={tmp_path / 'run'}"])
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    assert stop.value.code == 128 + signal.SIGINT
+    assert capsys.readouterr().err.strip().splitlines() == [cli.STARTUP_INTERRUPTED]
+    assert not (tmp_path / "run" / "result.json").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 @pytest.mark.parametrize("stdout", ["closed-pipe", "full-device"])
 def test_a_stdout_that_is_closed_or_full_costs_at_most_one_line_and_the_run_goes_on(stdout, fixture_data, tmp_path):
     """``adazeta-run ... | head -n 1`` and ``> /dev/full``: the run finishes and is recorded, exit 0, and stderr

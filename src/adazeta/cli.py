@@ -27,6 +27,7 @@ import errno
 import os
 import signal
 import sys
+import threading
 
 STARTUP_INTERRUPTED = ("adazeta-run: interrupted (SIGINT) during start-up, before the run began: nothing was recorded; "
                        "run the command again")
@@ -68,6 +69,7 @@ from adazeta.runs.rundir import Interrupted, PeerLost, claim, received_signal
 def _main(cfg: DictConfig) -> float | None:
     from adazeta.run import run
 
+    _raise_if_interrupted_during_start_up()  # a Ctrl-C that an import swallowed still stops the start-up
     hydra_cfg = HydraConfig.get()
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     if sweeping:  # many runs share one console: log lines, not bars
@@ -294,13 +296,35 @@ class _QuietStdout:
         return getattr(self._stream, name)
 
 
+_start_up_interrupted: list[int] = []  # SIGINT received before the run began (kept even if a library swallowed it)
+
+
+def _interrupted_during_start_up(signum: int, frame: Any) -> None:
+    """Ctrl-C before the run began, once the modules are imported: a KeyboardInterrupt where it lands, and
+    remembered, so that a library that swallows it (a bare ``except`` around an optional import) cannot let the run
+    begin anyway: ``_main`` raises it again before the run starts."""
+    _start_up_interrupted.append(signum)
+    raise KeyboardInterrupt
+
+
+def _raise_if_interrupted_during_start_up() -> None:
+    if _start_up_interrupted:
+        raise KeyboardInterrupt
+
+
 def main() -> None:
     """Check the overrides (one line and exit 2 for a mistake), run, and sum up a sweep's failed points. Ctrl-C
     before the run begins (its directory claimed, its signals handled: ``adazeta.runs.rundir.StopSignals``) is one line
     and exit status 130."""
+    previous = signal.getsignal(signal.SIGINT)
     # By name: under `python -m adazeta.cli` the handler was installed by the module run as __main__.
-    if getattr(signal.getsignal(signal.SIGINT), "__name__", None) == _interrupted_while_importing.__name__:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    ours = previous is signal.default_int_handler or getattr(previous, "__name__", None) == \
+        _interrupted_while_importing.__name__
+    if ours and threading.current_thread() is threading.main_thread():
+        _start_up_interrupted.clear()
+        signal.signal(signal.SIGINT, _interrupted_during_start_up)
+    else:
+        ours = False
     if sys.stdout is not None and not isinstance(sys.stdout, _QuietStdout):
         sys.stdout = _QuietStdout(sys.stdout)  # before Hydra points its console log at sys.stdout
     try:
@@ -315,6 +339,10 @@ def main() -> None:
             # is written yet (the run had not begun), so an immediate exit loses nothing.
             os._exit(128 + signal.SIGINT.value)
         sys.exit(128 + signal.SIGINT.value)
+    finally:
+        if ours and signal.getsignal(signal.SIGINT) is _interrupted_during_start_up:  # a caller's handler back
+            signal.signal(signal.SIGINT, previous if previous is signal.default_int_handler
+                          else signal.default_int_handler)
 
 
 def _own_process() -> bool:
