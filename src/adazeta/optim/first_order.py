@@ -38,9 +38,7 @@ class AdamWConfig(OptimizerCapabilities):
     def __post_init__(self) -> None:
         # Hydra hands lists; a tuple keeps the config hashable and matches torch's signature.
         self.betas = tuple(self.betas)  # type: ignore[assignment]
-        if self.lr <= 0:
-            raise ConfigError(f"method.optimizer.lr={self.lr!r} must be > 0: a learning rate of {self.lr!r} never "
-                              "moves a weight")
+        # lr > 0 is every optimizer's rule, checked once with the settings (``adazeta.settings``).
         if self.weight_decay < 0:
             raise ConfigError(f"method.optimizer.weight_decay={self.weight_decay!r} must be >= 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
