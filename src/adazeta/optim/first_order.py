@@ -53,14 +53,15 @@ class AdamW(torch.optim.AdamW):
     """torch's AdamW that first clips the global gradient norm to ``grad_clip`` (None: no clipping).
 
     The first-order contract of the training loop: gradients are in ``.grad`` (the loop ran backward), then
-    ``step()``; ``zeroth_order`` is False.
+    ``step()``; ``zeroth_order`` is False. Built from its config (checked when it was made).
     """
 
     zeroth_order = False
 
-    def __init__(self, params, grad_clip: float | None = None, **kwargs):
-        super().__init__(params, **kwargs)
-        self.grad_clip = grad_clip
+    def __init__(self, params, config: AdamWConfig):
+        super().__init__(params, lr=config.lr, betas=config.betas, eps=config.eps)
+        self.config = config
+        self.grad_clip = config.grad_clip
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -72,5 +73,4 @@ class AdamW(torch.optim.AdamW):
 @OPTIMIZERS.register("adamw", AdamWConfig)
 def build_adamw(named_params: Iterable[tuple[str, torch.Tensor]], cfg: AdamWConfig, seed: int) -> AdamW:
     # seed is unused: AdamW draws no randomness.
-    return AdamW(decay_groups(named_params, cfg.weight_decay), grad_clip=cfg.grad_clip, lr=cfg.lr, betas=cfg.betas,
-                 eps=cfg.eps)
+    return AdamW(decay_groups(named_params, cfg.weight_decay), cfg)
