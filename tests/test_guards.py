@@ -14,7 +14,7 @@ import torch
 from adazeta.errors import ConfigError
 from adazeta.guards import GuardConfig, UpdateProbe, checksum, ranks_agree, stall_reason
 from adazeta.optim.spsa import directions, query_seed
-from adazeta.optim.zo_sgd import ZOSGD
+from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 from adazeta.run import run
 from helpers import compose_cfg, tiny_overrides
 
@@ -36,7 +36,7 @@ def make(dtype=torch.float32, n=(300, 40), seed=0):
 @pytest.mark.parametrize("sample", [10_000, 50], ids=["all-entries", "sampled"])
 def test_intended_update_is_the_formula_and_fp32_applies_it(sample):
     params, target = make()
-    opt = ZOSGD(params, lr=1e-2, eps=1e-3, weight_decay=0.1, seed=3, n_queries=3)
+    opt = ZOSGD(params, ZOSGDConfig(lr=1e-2, eps=1e-3, weight_decay=0.1), seed=3, n_queries=3)
     probe = UpdateProbe(params, sample, seed=1)
     before = [p.double().clone() for p in params]
     probe.before()
@@ -58,7 +58,7 @@ def test_intended_update_is_the_formula_and_fp32_applies_it(sample):
 
 def test_bf16_drops_a_small_update_and_the_probe_says_so():
     params, target = make(torch.bfloat16)
-    opt = ZOSGD(params, lr=1e-6, eps=1e-2, seed=0)
+    opt = ZOSGD(params, ZOSGDConfig(lr=1e-6, eps=1e-2), seed=0)
     probe = UpdateProbe(params, 10_000)
     probe.before()
     opt.step(quadratic(params, target))
@@ -86,12 +86,12 @@ def test_an_optimizer_without_an_intended_update_still_gets_the_changed_share():
 def test_a_small_trainable_set_is_restored_exactly_in_fp32(monkeypatch):
     params, target = make()
     start = [p.clone() for p in params]
-    opt = ZOSGD(params, lr=0.0, eps=1e-3, seed=0, n_queries=4)  # lr 0: the step must leave w as it was
+    opt = ZOSGD(params, ZOSGDConfig(lr=0.0, eps=1e-3), seed=0, n_queries=4)  # lr 0: the step must leave w as it was
     opt.step(quadratic(params, target))
     assert all(torch.equal(p, s) for p, s in zip(params, start))
     # The control: restored by the opposite perturbation (a large set's way), fp32 rounding moves some entries.
     monkeypatch.setattr(ZOSGD, "KEEP_WEIGHTS_BYTES", 0)
-    opt = ZOSGD(params, lr=0.0, eps=1e-3, seed=0, n_queries=4)
+    opt = ZOSGD(params, ZOSGDConfig(lr=0.0, eps=1e-3), seed=0, n_queries=4)
     opt.step(quadratic(params, target))
     assert not all(torch.equal(p, s) for p, s in zip(params, start))
 
@@ -108,7 +108,7 @@ def test_a_large_sets_perturbation_drift_in_bf16_is_within_its_rounding_bound(mo
     params, target = make(torch.bfloat16, n=(5000,), seed=seed)
     w0 = params[0].double().clone()
     eps = 1e-3
-    opt = ZOSGD(params, lr=0.0, eps=eps, seed=seed)
+    opt = ZOSGD(params, ZOSGDConfig(lr=0.0, eps=eps), seed=seed)
     opt.step(quadratic(params, target))
     z = directions(params, query_seed(seed, 0, 0))[0].double()
     drift = (params[0].double() - w0).abs()

@@ -31,7 +31,7 @@ from adazeta.optim.sparse_mezo import (SparseZOSGD, SparseZOSGDConfig, kth_small
                                        packed_magnitude_mask)
 from adazeta.optim.batched import replica_weights
 from adazeta.optim.spsa import PackedMask, RandomMask, directions, perturb_
-from adazeta.optim.zo_sgd import ZOSGD
+from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 from adazeta.probe import ProbeConfig, fit_probe, prompt_features
 from adazeta.build import seed_everything
 from adazeta.run import run
@@ -172,7 +172,7 @@ def _moved(before: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch
 def test_random_mask_is_redrawn_every_step_and_shared_within_a_step():
     """mask=random (the AdaZeta reference baseline): one mask per step, for its +eps, -eps and update passes."""
     params = [torch.nn.Parameter(torch.randn(40, 30)), torch.nn.Parameter(torch.randn(60))]
-    opt = SparseZOSGD(params, sparsity=0.75, mask="random", lr=1e-2, seed=3)
+    opt = SparseZOSGD(params, SparseZOSGDConfig(sparsity=0.75, mask="random", lr=1e-2), seed=3)
     assert "sparse_masks" not in opt.state_dict()  # nothing stored: the mask follows from the seed and the step
     step_masks = []
     for _ in range(3):
@@ -196,7 +196,8 @@ def test_random_mask_is_redrawn_every_step_and_shared_within_a_step():
     assert not torch.equal(step_masks[0][0], step_masks[1][0]) and not torch.equal(step_masks[1][0], step_masks[2][0])
     assert all(abs(float(m[0].float().mean()) - 0.25) < 0.08 for m in step_masks)
     # A resumed optimizer draws the same masks for the same step: the step count is in its state.
-    twin = SparseZOSGD([torch.nn.Parameter(p.detach().clone()) for p in params], sparsity=0.75, mask="random", seed=3)
+    twin = SparseZOSGD([torch.nn.Parameter(p.detach().clone()) for p in params],
+                       SparseZOSGDConfig(sparsity=0.75, mask="random"), seed=3)
     twin.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(twin.param_masks(), opt.param_masks()))
 
@@ -216,14 +217,14 @@ def test_every_pass_over_the_weights_sees_the_same_random_mask():
 
 def test_sparse_masks_are_fixed_at_start_and_survive_a_resume():
     w = torch.nn.Parameter(torch.randn(30, 30))
-    opt = SparseZOSGD([w], sparsity=0.5, lr=1.0, seed=0)
+    opt = SparseZOSGD([w], SparseZOSGDConfig(sparsity=0.5, lr=1.0), seed=0)
     start_mask = opt.param_masks()[0][1].clone()
     for _ in range(3):
         opt.step(lambda: (w**2).sum())
     assert torch.equal(opt.param_masks()[0][1], start_mask)  # not recomputed from the moved weights
     assert not torch.equal(magnitude_mask(w, 0.5), start_mask)  # (which would differ by now)
     w2 = torch.nn.Parameter(w.detach().clone())
-    resumed = SparseZOSGD([w2], sparsity=0.5, lr=1.0, seed=0)
+    resumed = SparseZOSGD([w2], SparseZOSGDConfig(sparsity=0.5, lr=1.0), seed=0)
     resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert torch.equal(resumed.param_masks()[0][1], start_mask)
 
@@ -558,11 +559,11 @@ def test_sparse_steps_with_packed_masks_equal_steps_with_bool_masks():
     g = torch.Generator().manual_seed(3)
     start = [torch.randn(40, 30, generator=g), torch.randn(2**20 + 9, generator=g)]
     packed = [torch.nn.Parameter(w.clone()) for w in start]
-    opt = SparseZOSGD(packed, sparsity=0.75, lr=1e-2, seed=4)
+    opt = SparseZOSGD(packed, SparseZOSGDConfig(sparsity=0.75, lr=1e-2), seed=4)
     assert all(isinstance(m, PackedMask) for m in opt.masks(packed))
     dense = [torch.nn.Parameter(w.clone()) for w in start]
     bool_masks = [magnitude_mask(w, 0.25) for w in start]
-    ref = ZOSGD(dense, lr=1e-2, seed=4)
+    ref = ZOSGD(dense, ZOSGDConfig(lr=1e-2), seed=4)
     ref.masks = lambda params: bool_masks  # the same optimizer with the masks as bools
     for _ in range(2):
         opt.step(lambda: sum((p**2).sum() for p in packed), n_queries=2)
@@ -573,11 +574,11 @@ def test_sparse_steps_with_packed_masks_equal_steps_with_bool_masks():
 
 def test_a_checkpoint_with_bool_masks_still_loads():
     w = torch.nn.Parameter(torch.randn(30, 30))
-    opt = SparseZOSGD([w], sparsity=0.5, lr=1.0, seed=0)
+    opt = SparseZOSGD([w], SparseZOSGDConfig(sparsity=0.5, lr=1.0), seed=0)
     state = copy.deepcopy(opt.state_dict())
     assert state["sparse_masks"][0].dtype == torch.uint8 and state["sparse_masks"][0].numel() == 113
     old = dict(state, sparse_masks=[magnitude_mask(w, 0.5)])  # as earlier releases saved it
-    resumed = SparseZOSGD([torch.nn.Parameter(w.detach().clone())], sparsity=0.5, lr=1.0, seed=0)
+    resumed = SparseZOSGD([torch.nn.Parameter(w.detach().clone())], SparseZOSGDConfig(sparsity=0.5, lr=1.0), seed=0)
     resumed.load_state_dict(old)
     assert torch.equal(resumed.param_masks()[0][1], opt.param_masks()[0][1])
 

@@ -16,7 +16,7 @@ from adazeta.errors import ConfigError
 from adazeta.models import ModelConfig, load_model
 from adazeta.optim import spsa
 from adazeta.optim.batched import ReplicaClosure
-from adazeta.optim.sparse_mezo import SparseZOSGD
+from adazeta.optim.sparse_mezo import SparseZOSGD, SparseZOSGDConfig
 from adazeta.optim.spsa import PackedMask, RandomMask, directions, perturb_, projected_gradient, zo_update_
 from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 from adazeta.scoring import Scorer
@@ -141,12 +141,13 @@ def trainable(model):
 def optimizer(model, kind: str, mask: str | None, **kwargs):
     groups = [{"params": trainable(model)[::2], "weight_decay": 0.01},
               {"params": trainable(model)[1::2], "lr": 3e-3, "weight_decay": 0.0}]
-    common = dict(lr=1e-2, eps=1e-2, seed=7, **{"n_queries": 3, **kwargs})
+    n_queries = kwargs.pop("n_queries", 3)
+    settings = dict(lr=1e-2, eps=1e-2, **kwargs)
     if mask is not None:
         for g in groups:
             g["weight_decay"] = 0.0
-        return SparseZOSGD(groups, sparsity=0.75, mask=mask, **common)
-    return ZOSGD(groups, weight_decay=0.01, **common)
+        return SparseZOSGD(groups, SparseZOSGDConfig(sparsity=0.75, mask=mask, **settings), seed=7, n_queries=n_queries)
+    return ZOSGD(groups, ZOSGDConfig(weight_decay=0.01, **settings), seed=7, n_queries=n_queries)
 
 
 CASES = [("tt", None), ("lora", None), ("bottleneck", None), ("full", None), ("full", "magnitude"),
@@ -351,11 +352,11 @@ def test_noise_is_checked_and_survives_a_resume():
     with pytest.raises(ConfigError, match="noise"):
         ZOSGDConfig(noise="philox")
     w = nn.Parameter(torch.randn(10))
-    opt = ZOSGD([w], noise="flat")
+    opt = ZOSGD([w], ZOSGDConfig(noise="flat"))
     opt.step(lambda: (w**2).sum())
     with pytest.raises(ConfigError, match="noise='flat'"):
         ZOSGD([nn.Parameter(torch.randn(10))]).load_state_dict(opt.state_dict())
-    ZOSGD([nn.Parameter(torch.randn(10))], noise="flat").load_state_dict(opt.state_dict())
+    ZOSGD([nn.Parameter(torch.randn(10))], ZOSGDConfig(noise="flat")).load_state_dict(opt.state_dict())
     old = opt.state_dict()
     del old["zo"]["noise"]  # a checkpoint from before the choice: per_tensor
     ZOSGD([nn.Parameter(torch.randn(10))]).load_state_dict(old)

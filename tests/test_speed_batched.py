@@ -68,8 +68,8 @@ def trainable(model) -> list[nn.Parameter]:
 
 def one_step(model, batch, batched: bool, estimator: str = "central", n_queries: int = 3, chunk: int = 3):
     # eps 0.05: the losses agree to fp32 rounding (~1e-7), which a projected gradient divides by eps.
-    opt = ZOSGD(trainable(model), lr=1e-2, eps=5e-2, seed=5, n_queries=n_queries, estimator=estimator,
-                batched_queries=batched, query_chunk=chunk)
+    settings = ZOSGDConfig(lr=1e-2, eps=5e-2, estimator=estimator, batched_queries=batched, query_chunk=chunk)
+    opt = ZOSGD(trainable(model), settings, seed=5, n_queries=n_queries)
     opt.step(closure_for(model, batch))
     return opt
 
@@ -93,7 +93,7 @@ def test_batched_step_equals_the_sequential_step(kind, estimator):
 def test_batched_estimate_leaves_the_parameters_bitwise_untouched_and_restores_forward():
     model, batch = adapted("tt")
     before = [p.detach().clone() for p in trainable(model)]
-    opt = ZOSGD(trainable(model), lr=0.0, n_queries=2, batched_queries=True, query_chunk=2)
+    opt = ZOSGD(trainable(model), ZOSGDConfig(lr=0.0, batched_queries=True, query_chunk=2), n_queries=2)
     opt.step(closure_for(model, batch))
     assert all(torch.equal(a, b) for a, b in zip(before, trainable(model)))
     assert not any("forward" in m.__dict__ for m in model.modules())  # no replica forward left behind
@@ -141,7 +141,7 @@ def test_bf16_backbone_with_fp32_adapters_runs_batched():
 def test_a_plain_closure_falls_back_to_sequential_queries(caplog):
     model, batch = adapted("tt")
     twin = copy.deepcopy(model)
-    opt = ZOSGD(trainable(model), lr=1e-2, eps=5e-2, seed=5, n_queries=2, batched_queries=True)
+    opt = ZOSGD(trainable(model), ZOSGDConfig(lr=1e-2, eps=5e-2, batched_queries=True), seed=5, n_queries=2)
     with caplog.at_level("WARNING", logger="adazeta"):
         opt.step(lambda: Scorer(model).loss(batch))  # no way to evaluate replicas
     assert "sequential" in caplog.text
@@ -220,8 +220,8 @@ def test_an_auto_chunked_step_equals_the_sequential_step(budget, expected):
     model, batch = adapted("tt")
     twin = copy.deepcopy(model)
     seq = one_step(model, batch, batched=False, chunk=4)
-    opt = ZOSGD(trainable(twin), lr=1e-2, eps=5e-2, seed=5, n_queries=3, batched_queries=True,
-                query_chunk="auto", query_memory=budget)
+    settings = ZOSGDConfig(lr=1e-2, eps=5e-2, batched_queries=True, query_chunk="auto", query_memory=budget)
+    opt = ZOSGD(trainable(twin), settings, seed=5, n_queries=3)
     opt.step(ReplicaClosure(twin, functools.partial(Scorer(twin).replica_losses, batch), batch))
     assert min(opt.last_chunk, 6) == expected  # 6 evaluations in all: a larger chunk is one forward
     torch.testing.assert_close(opt.last_losses, seq.last_losses, atol=1e-6, rtol=1e-6)

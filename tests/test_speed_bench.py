@@ -15,7 +15,7 @@ import torch
 from adazeta.adapters import tt
 from adazeta.dryrun import dry_run
 from adazeta.optim import spsa
-from adazeta.optim.zo_sgd import ZOSGD
+from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 from adazeta.tools.bench import cli, common, forwards, memory, methods
 
 
@@ -83,7 +83,7 @@ def test_draws_of_z_are_counted_as_a_step_makes_them(keep, queries, estimator, e
     if not keep:  # a full model: too large to copy either, so restored by the opposite perturbation
         monkeypatch.setattr(ZOSGD, "KEEP_WEIGHTS_BYTES", 0)
     w = torch.nn.Parameter(torch.randn(50))
-    opt = ZOSGD([w], lr=1e-3, estimator=estimator)
+    opt = ZOSGD([w], ZOSGDConfig(lr=1e-3, estimator=estimator))
     before = w.detach().clone()
     assert methods.noise_draws_per_step(opt, lambda: (w**2).sum(), queries) == expected
     assert opt.state_step == 1 and not torch.equal(w, before)  # a real step ran

@@ -14,7 +14,7 @@ from adazeta.adapters.tt import TTAdapter, TTAdapterConfig, add_tt_adapters
 from adazeta.errors import ConfigError
 from adazeta.scoring.evaluate import Dependence, Predictions, dependence, evaluate
 from adazeta.models import ModelConfig, load_model
-from adazeta.optim.zo_sgd import ZOSGD
+from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 from adazeta.schedules import AdaptiveOfficialConfig, budget_steps, build_adaptive_official
 from adazeta.scoring import Scorer
 from adazeta.tasks.spec import Example
@@ -85,7 +85,7 @@ def test_a_few_zo_steps_from_identity_move_every_parameter_and_change_the_output
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     before = {n: p.detach().clone() for n, p in named}
     start = logits(model, batch)
-    opt = ZOSGD([p for _, p in named], lr=1e-3, eps=1e-3, seed=0, n_queries=2)
+    opt = ZOSGD([p for _, p in named], ZOSGDConfig(lr=1e-3, eps=1e-3), seed=0, n_queries=2)
     scorer = Scorer.of(model, loaded.tokenizer)
     for _ in range(3):
         opt.step(lambda: scorer.loss(batch))

@@ -415,3 +415,28 @@ def test_memory_benchmark_has_a_row_per_optimizer_with_its_forwards(data_dir):
         # the adazeta method's schedule asks one query a step at its first epoch
         assert row["forwards_per_step"] == OPTIMIZERS.config(kind).forwards(1), row
         assert row["s_per_forward"] > 0 and row["peak_mem_mb"] > 0
+
+
+def test_every_zo_optimizer_is_zosgd_composed_of_an_estimator_and_a_rule():
+    """Every registered ZO optimizer is a ``ZOSGD`` built from its config that composes an estimator and an update
+    rule and overrides none of ZOSGD's step: the shared estimators are the registered objects themselves, the
+    optimizers with directions of their own (HiZOO, LOZO, ZO-Muon) bring theirs, and a config's estimator name
+    picks the estimator of a plain ZO-SGD."""
+    from adazeta.optim.engine import Estimator, UpdateRule, estimator
+    from adazeta.optim.own_directions import OwnDirections
+    from adazeta.optim.zo_sgd import ZOSGD
+
+    kinds = [k for k in OPTIMIZERS.names() if OPTIMIZERS.get(k).config_cls.zeroth_order]
+    assert {"zo_sgd", "hizoo", "lozo", "zo_muon", "es", "forward_grad", "zo_adam"} <= set(kinds)
+    for kind in kinds:
+        cfg = OPTIMIZERS.config(kind, {})
+        opt = OPTIMIZERS.get(kind).builder([("w", nn.Parameter(torch.zeros(3, 2)))], cfg, SEED)
+        assert isinstance(opt, ZOSGD) and opt.config is cfg, kind
+        assert isinstance(opt.estimator, Estimator) and isinstance(opt.rule, UpdateRule), kind
+        assert all(getattr(type(opt), name) is getattr(ZOSGD, name) for name in ("step", "intended_update")), kind
+        if kind in ("hizoo", "lozo", "zo_muon"):
+            assert isinstance(opt.estimator, OwnDirections) and opt.estimator.name == kind
+        else:
+            assert opt.estimator is estimator(cfg.estimator), kind
+    one_sided = OPTIMIZERS.config("zo_sgd", {"estimator": "one_sided"})
+    assert OPTIMIZERS.get("zo_sgd").builder([("w", nn.Parameter(torch.zeros(2)))], one_sided, 0).estimator.forwards(3) == 4

@@ -81,8 +81,8 @@ def run(kind: str, named, loss, schedule, settings: dict, still: bool = False, *
     if still:
         for group in opt.param_groups:
             group["lr"] = 0.0
-        if hasattr(opt, "vector_lr"):
-            opt.vector_lr = 0.0
+        if hasattr(opt.rule, "vector_lr"):  # ZO-Muon's vectors step with a rate of their own
+            opt.rule.vector_lr = 0.0
     for key, value in attrs.items():
         setattr(opt, key, value)
     params = [p for _, p in named]

@@ -54,7 +54,7 @@ def test_many_query_estimate_points_along_the_true_gradient() -> None:
     true_grad = a @ w0  # grad of 0.5 w^T A w
 
     lr = 1.0
-    opt = ZOSGD([w], lr=lr, n_queries=2000, seed=3)
+    opt = ZOSGD([w], ZOSGDConfig(lr=lr), n_queries=2000, seed=3)
     opt.step(lambda: 0.5 * w @ a @ w)
     estimate = (w0 - w.detach()) / lr
 
@@ -95,7 +95,7 @@ def test_a_step_with_zero_lr_leaves_the_parameters_in_place() -> None:
     net = small_net()
     x, y = regression()
     before = flat(net).clone()
-    opt = ZOSGD(net.parameters(), lr=0.0, n_queries=4)
+    opt = ZOSGD(net.parameters(), ZOSGDConfig(lr=0.0), n_queries=4)
     opt.step(lambda: nn.functional.mse_loss(net(x), y))
     assert (flat(net) - before).norm() / before.norm() <= 1e-6
 
@@ -119,7 +119,7 @@ def test_zo_sgd_decreases_a_convex_loss() -> None:
     torch.manual_seed(0)
     x, y = regression()
     model = nn.Linear(8, 3)
-    opt = ZOSGD(model.parameters(), lr=0.02, seed=1)
+    opt = ZOSGD(model.parameters(), ZOSGDConfig(lr=0.02), seed=1)
 
     def closure() -> torch.Tensor:
         return nn.functional.mse_loss(model(x), y)
@@ -136,7 +136,7 @@ def test_zo_sgd_decreases_a_convex_loss() -> None:
 def run_steps(seed: int, steps: int = 5, global_seed: int = 0, device: str = "cpu") -> torch.Tensor:
     net = small_net().to(device)
     x, y = regression(device)
-    opt = ZOSGD(net.parameters(), lr=1e-2, seed=seed, n_queries=2, weight_decay=0.01)
+    opt = ZOSGD(net.parameters(), ZOSGDConfig(lr=1e-2, weight_decay=0.01), seed=seed, n_queries=2)
     torch.manual_seed(global_seed)  # the optimizer must not depend on the global RNG
     for _ in range(steps):
         opt.step(lambda: nn.functional.mse_loss(net(x), y))
@@ -153,7 +153,7 @@ def test_same_seed_is_bitwise_reproducible_and_ignores_the_global_rng(device: st
 def test_step_leaves_the_global_rng_untouched() -> None:
     net = small_net()
     x, y = regression()
-    opt = ZOSGD(net.parameters(), lr=1e-2, n_queries=3)
+    opt = ZOSGD(net.parameters(), ZOSGDConfig(lr=1e-2), n_queries=3)
     state = torch.get_rng_state()
     opt.step(lambda: nn.functional.mse_loss(net(x), y))
     assert torch.equal(state, torch.get_rng_state())
@@ -162,12 +162,12 @@ def test_step_leaves_the_global_rng_untouched() -> None:
 def test_state_dict_round_trip_resumes_the_same_directions() -> None:
     x, y = regression()
     net = small_net()
-    opt = ZOSGD(net.parameters(), lr=1e-2, seed=4)
+    opt = ZOSGD(net.parameters(), ZOSGDConfig(lr=1e-2), seed=4)
     for _ in range(3):
         opt.step(lambda: nn.functional.mse_loss(net(x), y))
 
     resumed_net = copy.deepcopy(net)
-    resumed = ZOSGD(resumed_net.parameters(), lr=1e-2, seed=99)
+    resumed = ZOSGD(resumed_net.parameters(), ZOSGDConfig(lr=1e-2), seed=99)
     resumed.load_state_dict(opt.state_dict())
     assert (resumed.state_step, resumed.seed, resumed.forward_passes) == (3, 4, 6)
 
@@ -210,7 +210,7 @@ def test_sum_reduction_takes_q_times_the_mean_step() -> None:
     for reduction in ("mean", "sum"):
         net = small_net().double()
         before = flat(net).clone()
-        opt = ZOSGD(net.parameters(), lr=1e-3, n_queries=4, reduction=reduction)
+        opt = ZOSGD(net.parameters(), ZOSGDConfig(lr=1e-3, reduction=reduction), n_queries=4)
         opt.step(lambda: nn.functional.mse_loss(net(x), y))
         deltas[reduction] = flat(net) - before
     torch.testing.assert_close(deltas["sum"], 4 * deltas["mean"], rtol=1e-9, atol=1e-12)
@@ -226,7 +226,7 @@ def test_forward_pass_count(estimator: str, expected: int) -> None:
         calls.append(torch.is_grad_enabled())
         return nn.functional.mse_loss(net(x), y)
 
-    opt = ZOSGD(net.parameters(), lr=1e-3, estimator=estimator)
+    opt = ZOSGD(net.parameters(), ZOSGDConfig(lr=1e-3, estimator=estimator))
     loss = opt.step(closure, n_queries=3)
     assert len(calls) == expected == opt.forward_passes
     assert opt.last_losses.shape == (expected,) and opt.last_projected_grads.shape == (3,)
@@ -236,7 +236,7 @@ def test_forward_pass_count(estimator: str, expected: int) -> None:
 
 def test_one_sided_estimate_is_the_forward_difference() -> None:
     w = nn.Parameter(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
-    opt = ZOSGD([w], lr=0.0, eps=1e-4, estimator="one_sided", n_queries=2)
+    opt = ZOSGD([w], ZOSGDConfig(lr=0.0, eps=1e-4, estimator="one_sided"), n_queries=2)
     opt.step(lambda: (w * torch.tensor([3.0, 1.0, -2.0], dtype=torch.float64)).sum())
     losses, grads = opt.last_losses, opt.last_projected_grads
     torch.testing.assert_close(grads, (losses[1:] - losses[0]) / 1e-4)
@@ -246,7 +246,7 @@ def test_one_sided_estimate_is_the_forward_difference() -> None:
 def test_step_never_syncs_with_the_host_on_cuda() -> None:
     net = small_net().cuda()
     x, y = regression("cuda")
-    opt = ZOSGD(net.parameters(), lr=1e-3, n_queries=3, weight_decay=0.01)
+    opt = ZOSGD(net.parameters(), ZOSGDConfig(lr=1e-3, weight_decay=0.01), n_queries=3)
     closure = lambda: nn.functional.mse_loss(net(x), y)  # noqa: E731
     opt.step(closure)  # warm-up: lazy CUDA initialisation may sync
     torch.cuda.synchronize()
@@ -265,15 +265,18 @@ def test_step_never_syncs_with_the_host_on_cuda() -> None:
     ("kwargs", "message"),
     [
         ({"eps": 0.0}, "eps=0.0 must be > 0"),
-        ({"lr": -1.0}, "lr=-1.0 must be >= 0"),
-        ({"n_queries": 0}, "n_queries=0 must be an int >= 1"),
+        ({"weight_decay": -1.0}, "weight_decay=-1.0 must be >= 0"),
         ({"reduction": "max"}, "reduction='max' must be one of mean, sum"),
         ({"estimator": "forward"}, "estimator='forward' must be one of central, es, es_independent, forward_grad, one_sided"),
+        ({"query_chunk": 0}, "query_chunk=0 must be an int >= 1"),
+        ({"query_memory": 0}, "query_memory=0 must be a number > 0"),
+        ({"noise": "pink"}, "noise='pink' must be one of"),
     ],
 )
-def test_bad_hyper_parameters_fail_at_construction(kwargs: dict, message: str) -> None:
+def test_bad_hyper_parameters_fail_when_the_config_is_made(kwargs: dict, message: str) -> None:
+    """Each ZO-SGD setting is checked once, by its config: the optimizer built from it checks nothing again."""
     with pytest.raises(ConfigError, match=message):
-        ZOSGD([nn.Parameter(torch.zeros(2))], **kwargs)
+        ZOSGDConfig(**kwargs)
 
 
 def test_config_errors_name_the_field() -> None:
@@ -283,13 +286,20 @@ def test_config_errors_name_the_field() -> None:
         OPTIMIZERS.config("adamw", {"betas": [0.9, 1.5]})
 
 
-def test_a_run_refuses_a_learning_rate_of_zero_that_the_optimizer_class_takes() -> None:
-    """A run's lr=0 would never move a weight (and stall with a misleading hint); the class itself takes 0, for a
-    tool that estimates without stepping."""
-    for kind in ("zo_sgd", "adamw"):
+def test_a_run_refuses_a_learning_rate_of_zero_that_the_optimizer_config_takes(fixture_data) -> None:
+    """A run's lr=0 would never move a weight (and stall with a misleading hint): the settings refuse it, once, for
+    every optimizer; the config and the class take 0, for a tool that estimates without stepping."""
+    from adazeta.settings import parse
+    from helpers import compose_cfg, tiny_overrides
+
+    for method in ("mezo", "lora"):
         with pytest.raises(ConfigError, match=r"method\.optimizer\.lr=0(\.0)? must be > 0: a learning rate of"):
-            OPTIMIZERS.config(kind, {"lr": 0})
-    ZOSGD([nn.Parameter(torch.zeros(2))], lr=0.0)
+            parse(compose_cfg(tiny_overrides(fixture_data, f"method={method}", "method.optimizer.lr=0")))
+    for kind in ("zo_sgd", "adamw"):
+        assert OPTIMIZERS.config(kind, {"lr": 0}).lr == 0
+    w = nn.Parameter(torch.ones(2))
+    ZOSGD([w], ZOSGDConfig(lr=0.0)).step(lambda: (w * w).sum())
+    assert torch.equal(w.detach(), torch.ones(2))
 
 
 def test_a_bad_query_count_from_the_loop_fails_at_step() -> None:

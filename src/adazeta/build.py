@@ -185,7 +185,8 @@ class Built:
             fields["schedule_epochs"] = self.schedule_epochs
         if zo:
             fields["mean_queries"] = mean_queries(self.schedule, self.length.steps_per_epoch, self.length.planned_steps)
-            fields["zo"] = {k: getattr(self.optimizer, k, None) for k in ("estimator", "batched_queries", "query_chunk")}
+            fields["zo"] = {k: getattr(s.optimizer.config, k)  # a ZOSGDConfig's, as the settings chose them
+                            for k in ("estimator", "batched_queries", "query_chunk")}
         if s.model.device_map:  # which devices accelerate spread the model over
             fields["devices"] = sorted(set(device_map_of(self.loaded.model).values())) or [str(self.device)]
         return fields

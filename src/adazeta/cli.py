@@ -23,7 +23,6 @@ Exit status (README, "Bad input costs one line"):
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import sys
@@ -59,6 +58,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from adazeta.console import QuietStdout
 from adazeta.errors import ConfigError, PeerError
 from adazeta.overrides import check
 from adazeta.paths import CONFIG_ENV, config_dir  # noqa: F401  (CONFIG_ENV re-exported)
@@ -253,49 +253,6 @@ def start_up_signals(rank: int) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-class _QuietStdout:
-    """stdout that survives its reader: a closed pipe (``adazeta-run ... | head -n 1``) or a full device
-    (``> /dev/full``) costs at most one line on stderr instead of a logging error per log line; the run goes on and
-    writes its files as usual, and what it prints after that is dropped."""
-
-    LOST = {errno.EPIPE: None, errno.ENOSPC: "no space left on the device it writes to"}
-
-    def __init__(self, stream: Any):
-        self._stream, self._lost = stream, False
-
-    def write(self, text: str) -> int:
-        if not self._lost:
-            try:
-                return self._stream.write(text)
-            except OSError as err:
-                self._lose(err)
-        return len(text)
-
-    def flush(self) -> None:
-        if not self._lost:
-            try:
-                self._stream.flush()
-            except OSError as err:
-                self._lose(err)
-
-    def _lose(self, err: OSError) -> None:
-        if err.errno not in self.LOST:
-            raise err
-        self._lost = True
-        try:  # what the stream still buffers goes nowhere, at exit too
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self._stream.fileno())
-            os.close(devnull)
-        except (OSError, ValueError):
-            pass
-        if self.LOST[err.errno]:
-            print(f"adazeta-run: stdout: {self.LOST[err.errno]}; the console output is dropped from here, the run's "
-                  "files are written as usual", file=sys.stderr)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-
 _start_up_interrupted: list[int] = []  # SIGINT received before the run began (kept even if a library swallowed it)
 
 
@@ -325,8 +282,8 @@ def main() -> None:
         signal.signal(signal.SIGINT, _interrupted_during_start_up)
     else:
         ours = False
-    if sys.stdout is not None and not isinstance(sys.stdout, _QuietStdout):
-        sys.stdout = _QuietStdout(sys.stdout)  # before Hydra points its console log at sys.stdout
+    if sys.stdout is not None and not isinstance(sys.stdout, QuietStdout):
+        sys.stdout = QuietStdout(sys.stdout)  # before Hydra points its console log at sys.stdout
     try:
         _checked_main()
     except KeyboardInterrupt:

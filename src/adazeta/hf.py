@@ -95,9 +95,7 @@ class ZOTrainer(Trainer):
             trainable = [p for p in self.model.parameters() if p.requires_grad]
             if not trainable:
                 raise ConfigError("ZOTrainer: the model has no trainable parameters (add_adapters, or requires_grad)")
-            c = self.zo_config
-            self.optimizer = TrainerZOSGD(trainable, lr=c.lr, eps=c.eps, weight_decay=c.weight_decay, seed=self.zo_seed,
-                                          reduction=c.reduction, estimator=c.estimator, noise=c.noise)
+            self.optimizer = TrainerZOSGD(trainable, self.zo_config, seed=self.zo_seed)
         return self.optimizer
 
     def _queries(self) -> int:

@@ -266,7 +266,7 @@ def estimate_batched(
     masks: Masks = None,
     cache: DirectionCache | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(all losses evaluated, projected gradient per query), as ``ZOSGD.estimate`` returns them.
+    """(all losses evaluated, projected gradient per query), as an ``Estimator.estimate`` returns them.
 
     At most ``chunk`` replicas per forward; the parameters are left untouched.
     """

@@ -5,19 +5,22 @@ A ZO step (``ZOSGD.step``) is
     losses, g = estimator(closure, directions z_1 .. z_Q)      # which forwards, how losses become g_q
     w <- rule(w, g_hat),  g_hat = (1/Q or 1) sum_q g_q z_q      # how the step moves, what it keeps
 
-- An **estimator** (``ESTIMATORS``) decides how many forwards a query costs and how its losses combine into one
-  coefficient g_q per direction z_q: central differences (MeZO), one-sided differences, ES's fitness shaping,
-  or a forward-mode directional derivative. The directions are the seeded Gaussian stream of
-  ``adazeta.optim.spsa``, so every estimator works with every trainable set, mask, noise stream and schedule.
+- An **estimator** (``Estimator``, the shared ones registered in ``ESTIMATORS``) decides how many forwards a query
+  costs, how they run (one after another, in batched forwards over weight replicas, or this rank's share of a
+  step spread over processes) and how its losses combine into one coefficient g_q per direction z_q: central
+  differences (MeZO), one-sided differences, ES's fitness shaping (``adazeta.optim.differences``), or a
+  forward-mode directional derivative (``adazeta.optim.forward_grad``). The directions are the seeded Gaussian
+  stream of ``adazeta.optim.spsa``, so every such estimator works with every trainable set, mask, noise stream and
+  schedule.
 - An **update rule** (``UpdateRule``) turns the estimate into a move: plain SGD (ZO-SGD: applied straight from
   the seeds, g_hat never materialised), sign, momentum, Adam, the conservative candidate search, ... A rule other
   than SGD gets g_hat as tensors (``Step.dense``) and keeps its state per parameter (checkpointed with the run).
 
-An optimizer is a pair of them plus its config: ``zo_adam`` is ZO-SGD's estimator with the Adam rule. A new one
-is one Python file in this package (its config dataclass, declaring its capabilities, its rule or estimator, and a
-builder registered in ``OPTIMIZERS``) and one YAML in ``conf/optimizer/``. Optimizers whose directions are not
-the seeded Gaussian stream (HiZOO, LOZO, ZO-Muon) override ``ZOSGD.estimate`` and bring their own rule
-(their common base: ``adazeta.optim.own_directions``).
+An optimizer is ``ZOSGD`` composed of the two and built from its typed config: ``zo_adam`` is ZO-SGD's estimator
+with the Adam rule. A new one is one Python file in this package (its config dataclass, declaring its
+capabilities, its rule or estimator, and a builder registered in ``OPTIMIZERS``) and one YAML in
+``conf/optimizer/``. Optimizers whose directions are not the seeded Gaussian stream (HiZOO, LOZO, ZO-Muon) bring
+an estimator and a rule of their own (their common pieces: ``adazeta.optim.own_directions``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from adazeta.optim.spsa import DirectionCache, Masks, NoiseLayout, each_draw, pe
 
 if TYPE_CHECKING:
     from adazeta.distributed import StepPlan
-    from adazeta.optim.zo_sgd import ZOSGD
 
 Closure = Callable[[], Any]
 
@@ -111,7 +113,7 @@ class UpdateRule:
     def __init__(self) -> None:
         self.state: list[dict[str, torch.Tensor]] = []
 
-    def update_(self, opt: "ZOSGD", step: Step) -> int:
+    def update_(self, opt: Any, step: Step) -> int:
         raise NotImplementedError
 
     def slots(self, params: Sequence[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -139,7 +141,7 @@ class SGDRule(UpdateRule):
     name = "sgd"
     exact = True
 
-    def update_(self, opt: "ZOSGD", step: Step) -> int:
+    def update_(self, opt: Any, step: Step) -> int:
         zo_update_(step.params, step.seeds, step.grads, step.lrs, step.wds, step.reduction, step.masks, step.noise,
                    step.cache, step.layout, step.restore)
         step.restore = None
@@ -153,23 +155,45 @@ def decay_(params: Sequence[torch.Tensor], lrs: Sequence[float], wds: Sequence[f
             p.mul_(1.0 - lr * wd)
 
 
-@dataclasses.dataclass(frozen=True)
-class Estimator:
-    """How a step's queries are evaluated and their losses combined into one g_q per direction.
+@dataclasses.dataclass
+class Queries:
+    """One step's queries as an estimator sees them: the closure, the parameters, the query seeds, the masks, the
+    step's ``DirectionCache`` and, when the run spans several processes, this rank's ``plan``. ``restore``: set by an
+    estimator that leaves its last restoring perturbation to the update's pass (``Step.restore``)."""
 
-    ``forwards(q)``: forward passes of a step of q queries; ``batched``: whether ``batched_queries`` (weight
-    replicas) applies; ``parallel``: the ``distributed.mode``s that can spread its queries or data.
-    ``estimate(opt, closure, params, seeds, masks, cache, plan)`` -> (every loss evaluated, g of each query).
-    ``forward_mode``: its evaluations are jvps, not perturbed forwards (what its memory is: ``ZOSGDConfig``).
+    closure: Closure
+    params: Sequence[torch.Tensor]
+    seeds: Sequence[int]
+    masks: Masks
+    cache: DirectionCache
+    plan: "StepPlan | None" = None
+    restore: tuple[int, float] | None = None
+
+
+class Estimator:
+    """How a step's queries are evaluated and their losses combined into one g_q per direction: a strategy object
+    that a ZO optimizer composes with an ``UpdateRule`` (``ZOSGD(params, config, estimator=..., rule=...)``).
+
+    ``estimate(opt, queries)`` -> (every loss evaluated, g of each query), on the device; ``opt`` is the optimizer,
+    whose public settings it reads (``eps``, ``noise``, ``config``, ``seed``, ``state_step``, ``rule``) and whose
+    records it fills (``last_chunk``, ``last_evaluated_seeds``, ``comm_s``). ``forwards(q)``: forward passes of a
+    step of q queries; ``batched``: whether ``batched_queries`` (weight replicas) applies; ``parallel``: the
+    ``distributed.mode``s that can spread its queries or data; ``forward_mode``: its evaluations are jvps, not
+    perturbed forwards (what its memory is: ``ZOSGDConfig``). The shared ones are registered by name in
+    ``ESTIMATORS`` (``method.optimizer.estimator`` picks one); an optimizer with directions of its own builds its
+    estimator in its builder.
     """
 
-    name: str
-    forwards: Callable[[int], int]
-    estimate: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    name: str = ""
     batched: bool = True
     parallel: tuple[str, ...] = ("auto", "query", "data")
-    differences: str = "central"  # the finite differences ``ZOSGD``'s own evaluation takes (central, one_sided)
     forward_mode: bool = False
+
+    def forwards(self, queries: int) -> int:
+        raise NotImplementedError
+
+    def estimate(self, opt: Any, queries: Queries) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
 
 
 def register_estimator(estimator: Estimator) -> Estimator:
@@ -182,16 +206,9 @@ def estimator(name: str) -> Estimator:
     return ESTIMATORS.get(name).builder
 
 
-def finite_differences(opt: "ZOSGD", closure: Closure, params: Sequence[torch.Tensor], seeds: Sequence[int], masks: Masks,
-                 cache: DirectionCache, plan: "StepPlan | None") -> tuple[torch.Tensor, torch.Tensor]:
-    """Finite differences (central or one-sided: the estimator's ``differences``), evaluated one forward per loss,
-    in batched forwards over weight replicas, or spread over ranks (``plan``)."""
-    if plan is None:
-        return opt.estimate(closure, params, seeds, masks, cache)
-    return opt.estimate_share(closure, params, seeds, masks, cache, plan)
-
-
-# MeZO's estimator: g_q = (L(w + eps z) - L(w - eps z)) / (2 eps), 2Q forwards a step.
-register_estimator(Estimator("central", lambda q: 2 * q, finite_differences))
-# One-sided: g_q = (L(w + eps z) - L(w)) / eps, Q + 1 forwards (one unperturbed), biased by O(eps).
-register_estimator(Estimator("one_sided", lambda q: q + 1, finite_differences, differences="one_sided"))
+def as_loss(value: torch.Tensor | float) -> torch.Tensor:
+    """The closure's loss as a detached scalar tensor of at least fp32, left on its device (no host sync)."""
+    loss = torch.as_tensor(value).detach()
+    if loss.numel() != 1:
+        raise ValueError(f"the ZOSGD closure must return a scalar loss, got shape {tuple(loss.shape)}")
+    return loss.to(torch.promote_types(loss.dtype, torch.float32)).reshape(())

@@ -38,9 +38,7 @@ class AdamWConfig(OptimizerCapabilities):
     def __post_init__(self) -> None:
         # Hydra hands lists; a tuple keeps the config hashable and matches torch's signature.
         self.betas = tuple(self.betas)  # type: ignore[assignment]
-        if self.lr <= 0:
-            raise ConfigError(f"method.optimizer.lr={self.lr!r} must be > 0: a learning rate of {self.lr!r} never "
-                              "moves a weight")
+        # lr > 0 is every optimizer's rule, checked once with the settings (``adazeta.settings``).
         if self.weight_decay < 0:
             raise ConfigError(f"method.optimizer.weight_decay={self.weight_decay!r} must be >= 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
@@ -55,14 +53,15 @@ class AdamW(torch.optim.AdamW):
     """torch's AdamW that first clips the global gradient norm to ``grad_clip`` (None: no clipping).
 
     The first-order contract of the training loop: gradients are in ``.grad`` (the loop ran backward), then
-    ``step()``; ``zeroth_order`` is False.
+    ``step()``; ``zeroth_order`` is False. Built from its config (checked when it was made).
     """
 
     zeroth_order = False
 
-    def __init__(self, params, grad_clip: float | None = None, **kwargs):
-        super().__init__(params, **kwargs)
-        self.grad_clip = grad_clip
+    def __init__(self, params, config: AdamWConfig):
+        super().__init__(params, lr=config.lr, betas=config.betas, eps=config.eps)
+        self.config = config
+        self.grad_clip = config.grad_clip
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -74,5 +73,4 @@ class AdamW(torch.optim.AdamW):
 @OPTIMIZERS.register("adamw", AdamWConfig)
 def build_adamw(named_params: Iterable[tuple[str, torch.Tensor]], cfg: AdamWConfig, seed: int) -> AdamW:
     # seed is unused: AdamW draws no randomness.
-    return AdamW(decay_groups(named_params, cfg.weight_decay), grad_clip=cfg.grad_clip, lr=cfg.lr, betas=cfg.betas,
-                 eps=cfg.eps)
+    return AdamW(decay_groups(named_params, cfg.weight_decay), cfg)

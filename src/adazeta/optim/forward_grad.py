@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -23,9 +23,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
-from adazeta.optim.engine import Estimator, register_estimator
+from adazeta.optim.engine import Estimator, Queries, register_estimator
 from adazeta.optim.spsa import decay_groups, directions
-from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, zo_settings
+from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 
 
 def parameter_sites(model: nn.Module, params: Sequence[torch.Tensor]) -> list[tuple[nn.Module, str]]:
@@ -51,35 +51,46 @@ def swapped(sites: Sequence[tuple[nn.Module, str]], tensors: Sequence[torch.Tens
             module._parameters[name] = p
 
 
-def _forward_grad(opt: ZOSGD, closure, params, seeds, masks, cache, plan) -> tuple[torch.Tensor, torch.Tensor]:
-    if plan is not None:
-        raise ConfigError("estimator=forward_grad runs on one process; set distributed.mode or launch one process")
-    model = getattr(closure, "model", None)
-    if model is None:
-        raise ConfigError("estimator=forward_grad needs a differentiable objective whose closure exposes its model "
-                          "(not a generation objective): use another estimator")
-    sites = parameter_sites(model, params)
-    losses, grads = [], []
-    for seed in seeds:
-        z = directions(params, seed, masks, opt.noise, cache.layout)
+class ForwardGrad(Estimator):
+    """g_q = grad L(w) . z_q by one jvp per query, on one process."""
 
-        def loss_at(*weights: torch.Tensor) -> torch.Tensor:
-            with swapped(sites, weights):
-                loss = torch.as_tensor(closure())  # not as_loss: detaching would drop the tangent
-            return loss.reshape(()).to(torch.promote_types(loss.dtype, torch.float32))
+    name = "forward_grad"
+    batched = False
+    parallel = ()
+    forward_mode = True
 
-        # Forward-mode AD (no graph is kept: nothing asks for a backward), through the math attention kernel: the
-        # fused CPU / flash kernels have no forward-mode derivative.
-        with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
-            loss, derivative = torch.func.jvp(loss_at, tuple(p.detach() for p in params), tuple(z))
-        del z  # before the next query draws its own: one z at a time (a full model's is the model's size)
-        losses.append(loss.detach())
-        grads.append(derivative.detach().to(loss.dtype))
-    return torch.stack(losses), torch.stack(grads)
+    def forwards(self, queries: int) -> int:
+        return queries
+
+    def estimate(self, opt: Any, queries: Queries) -> tuple[torch.Tensor, torch.Tensor]:
+        if queries.plan is not None:
+            raise ConfigError("estimator=forward_grad runs on one process; set distributed.mode or launch one process")
+        closure, params, masks = queries.closure, queries.params, queries.masks
+        model = getattr(closure, "model", None)
+        if model is None:
+            raise ConfigError("estimator=forward_grad needs a differentiable objective whose closure exposes its "
+                              "model (not a generation objective): use another estimator")
+        sites = parameter_sites(model, params)
+        losses, grads = [], []
+        for seed in queries.seeds:
+            z = directions(params, seed, masks, opt.noise, queries.cache.layout)
+
+            def loss_at(*weights: torch.Tensor) -> torch.Tensor:
+                with swapped(sites, weights):
+                    loss = torch.as_tensor(closure())  # not as_loss: detaching would drop the tangent
+                return loss.reshape(()).to(torch.promote_types(loss.dtype, torch.float32))
+
+            # Forward-mode AD (no graph is kept: nothing asks for a backward), through the math attention kernel:
+            # the fused CPU / flash kernels have no forward-mode derivative.
+            with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+                loss, derivative = torch.func.jvp(loss_at, tuple(p.detach() for p in params), tuple(z))
+            del z  # before the next query draws its own: one z at a time (a full model's is the model's size)
+            losses.append(loss.detach())
+            grads.append(derivative.detach().to(loss.dtype))
+        return torch.stack(losses), torch.stack(grads)
 
 
-register_estimator(Estimator("forward_grad", lambda q: q, _forward_grad, batched=False, parallel=(),
-                             forward_mode=True))
+register_estimator(ForwardGrad())
 
 
 @dataclasses.dataclass
@@ -91,4 +102,4 @@ class ForwardGradConfig(ZOSGDConfig):
 
 @OPTIMIZERS.register("forward_grad", ForwardGradConfig)
 def build_forward_grad(named_params: Iterable[tuple[str, torch.Tensor]], cfg: ForwardGradConfig, seed: int) -> ZOSGD:
-    return ZOSGD(decay_groups(named_params, cfg.weight_decay), seed=seed, **zo_settings(cfg))
+    return ZOSGD(decay_groups(named_params, cfg.weight_decay), cfg, seed=seed)

@@ -30,17 +30,17 @@ Where this implementation differs, and why:
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, ClassVar, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import torch
 
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
-from adazeta.optim.engine import Step, UpdateRule, decay_
+from adazeta.optim.engine import Queries, Step, UpdateRule, decay_
 from adazeta.optim.memory import TrainedSet, draw_bytes, piece_bytes
-from adazeta.optim.own_directions import OwnDirectionsConfig, OwnDirectionsZO, work_dtype
+from adazeta.optim.own_directions import OwnDirections, OwnDirectionsConfig, work_dtype
 from adazeta.optim.spsa import NoiseLayout, each_draw, decay_groups, projected_gradient
-from adazeta.optim.zo_sgd import zo_settings
+from adazeta.optim.zo_sgd import ZOSGD
 
 Piece = Callable[[int, int, torch.Tensor, torch.Tensor], None]  # (parameter index, first entry, flat view, z)
 
@@ -84,7 +84,7 @@ class HessianRule(UpdateRule):
         return out
 
     @torch.no_grad()
-    def update_(self, opt: "HiZOO", step: Step) -> int:
+    def update_(self, opt: Any, step: Step) -> int:
         params, layout, cache = step.params, step.layout, step.cache
         sigma = self.sigma(params)
         h = curvatures(step.losses, opt.eps)
@@ -108,16 +108,21 @@ class HessianRule(UpdateRule):
         return 0
 
 
-class HiZOO(OwnDirectionsZO):
-    """ZO-SGD preconditioned by a diagonal Hessian (HiZOO); the perturbations are scaled by Sigma^{-1/2}."""
+class HessianEstimator(OwnDirections):
+    """HiZOO's 2Q + 1 forwards: L(w), then central differences along Sigma^{-1/2} z_q, Sigma from ``rule``."""
 
-    kind = "hizoo"
+    name = "hizoo"
 
-    def estimate(self, closure, params, seeds, masks=None, cache=None):  # type: ignore[override]
-        if cache is None:
-            raise ValueError("HiZOO.estimate needs the step's DirectionCache (ZOSGD.step passes it)")
+    def __init__(self, rule: HessianRule):
+        self.rule = rule
+
+    def forwards(self, queries: int) -> int:
+        return 2 * queries + 1
+
+    def along(self, opt: Any, queries: Queries) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = queries.cache
         layout = cache.layout
-        sigma = self.rule.sigma(params)  # type: ignore[attr-defined]
+        sigma = self.rule.sigma(queries.params)
 
         def draw(seed: int) -> tuple[int, list[torch.Tensor] | None]:
             return seed, cache.get(seed)  # z kept for the update when the set is small, else redrawn on every pass
@@ -129,8 +134,8 @@ class HiZOO(OwnDirectionsZO):
 
             _each_piece(layout, d[0], d[1], piece)
 
-        losses = self.evaluate(closure, params, seeds, draw, move_, baseline=True, central=True)
-        return losses, projected_gradient(losses[1::2], losses[2::2], self.eps)
+        losses = self.evaluate(opt, queries, draw, move_, baseline=True, central=True)
+        return losses, projected_gradient(losses[1::2], losses[2::2], opt.eps)
 
 
 @dataclasses.dataclass
@@ -171,6 +176,7 @@ class HiZOOConfig(OwnDirectionsConfig):
 
 
 @OPTIMIZERS.register("hizoo", HiZOOConfig)
-def build_hizoo(named_params: Iterable[tuple[str, torch.Tensor]], cfg: HiZOOConfig, seed: int) -> HiZOO:
-    return HiZOO(decay_groups(named_params, cfg.weight_decay), seed=seed, rule=HessianRule(cfg.hessian_smooth),
-                 **zo_settings(cfg))
+def build_hizoo(named_params: Iterable[tuple[str, torch.Tensor]], cfg: HiZOOConfig, seed: int) -> ZOSGD:
+    rule = HessianRule(cfg.hessian_smooth)
+    return ZOSGD(decay_groups(named_params, cfg.weight_decay), cfg, seed=seed, estimator=HessianEstimator(rule),
+                 rule=rule)

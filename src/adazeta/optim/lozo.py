@@ -37,19 +37,17 @@ Where this implementation differs, and why:
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Iterable, Sequence
+from typing import Any, ClassVar, Iterable, Sequence
 
 import torch
 
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
-from adazeta.optim.engine import Step, UpdateRule, decay_
+from adazeta.optim.engine import Queries, Step, UpdateRule, decay_
 from adazeta.optim.memory import TrainedSet
-from adazeta.optim.own_directions import (
-    OwnDirectionsConfig, OwnDirectionsZO, matrix_shape, summed_factors, work_dtype,
-)
+from adazeta.optim.own_directions import OwnDirections, OwnDirectionsConfig, matrix_shape, summed_factors, work_dtype
 from adazeta.optim.spsa import Streams, decay_groups, projected_gradient, subspace_seed
-from adazeta.optim.zo_sgd import zo_settings
+from adazeta.optim.zo_sgd import ZOSGD
 
 
 def lowrank_basis(params: Sequence[torch.Tensor], seed: int, rank: int) -> list[torch.Tensor | None]:
@@ -80,49 +78,64 @@ def lowrank_direction(p: torch.Tensor, factor: torch.Tensor, basis: torch.Tensor
     return factor if basis is None else (factor @ basis.T).view(p.shape)
 
 
+class LowRank:
+    """LOZO's directions: V of rank ``rank`` per window of ``step_interval`` steps, U_q (and a vector's z_q) per
+    query; ``scale`` divides the projected gradients (r with ``divide_by_rank``, else 1)."""
+
+    def __init__(self, rank: int, step_interval: int, divide_by_rank: bool):
+        self.rank, self.step_interval = rank, step_interval
+        self.scale = rank if divide_by_rank else 1
+
+    def basis(self, params: Sequence[torch.Tensor], seed: int, step: int) -> list[torch.Tensor | None]:
+        """V of step ``step``'s window, redrawn from (seed, step // step_interval)."""
+        return lowrank_basis(params, subspace_seed(seed, step // self.step_interval), self.rank)
+
+    def factors(self, params: Sequence[torch.Tensor], seed: int) -> list[torch.Tensor]:
+        return lowrank_factors(params, seed, self.rank)
+
+
 class LowRankRule(UpdateRule):
     """w <- w - lr ((1/Q) sum_q g_q U_q V^T + wd w), the U_q and z_q redrawn from the step's seeds."""
 
     name = "lozo"
 
+    def __init__(self, directions: LowRank):
+        super().__init__()
+        self.directions = directions
+
     @torch.no_grad()
-    def update_(self, opt: "LOZO", step: Step) -> int:
+    def update_(self, opt: Any, step: Step) -> int:
         params = step.params
-        basis = opt.basis(params)
-        total = summed_factors(opt, params, step.seeds, step.grads, step.reduction)
+        basis = self.directions.basis(params, opt.seed, opt.state_step)
+        total = summed_factors(self.directions, params, step.seeds, step.grads, step.reduction)
         decay_(params, step.lrs, step.wds)  # w (1 - lr wd) - lr g: the same as w - lr (g + wd w)
         for p, t, v, lr in zip(params, total, basis, step.lrs):
             p.add_(lowrank_direction(p, t, v), alpha=-lr)
         return 0
 
 
-class LOZO(OwnDirectionsZO):
-    """ZO-SGD along low-rank directions U V^T, V kept for ``step_interval`` steps (LOZO)."""
+class LowRankEstimator(OwnDirections):
+    """LOZO's 2Q forwards: central differences along U_q V^T (matrices) and z_q (vectors), divided by ``scale``."""
 
-    kind = "lozo"
+    name = "lozo"
 
-    def __init__(self, params, rank: int = 4, step_interval: int = 100, divide_by_rank: bool = True, **settings):
-        super().__init__(params, rule=LowRankRule(), **settings)
-        self.rank, self.step_interval = rank, step_interval
-        self.scale = rank if divide_by_rank else 1
+    def __init__(self, directions: LowRank):
+        self.directions = directions
 
-    def basis(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-        """V of this step's window, redrawn from (seed, step // step_interval)."""
-        return lowrank_basis(params, subspace_seed(self.seed, self.state_step // self.step_interval), self.rank)
+    def forwards(self, queries: int) -> int:
+        return 2 * queries
 
-    def factors(self, params: Sequence[torch.Tensor], seed: int) -> list[torch.Tensor]:
-        return lowrank_factors(params, seed, self.rank)
-
-    def estimate(self, closure, params, seeds, masks=None, cache=None):  # type: ignore[override]
-        basis = self.basis(params)
+    def along(self, opt: Any, queries: Queries) -> tuple[torch.Tensor, torch.Tensor]:
+        params, directions = queries.params, self.directions
+        basis = directions.basis(params, opt.seed, opt.state_step)
 
         def move_(factors: list[torch.Tensor], scale: float) -> None:
             for p, f, v in zip(params, factors, basis):
                 p.add_(lowrank_direction(p, f, v), alpha=scale)
 
-        losses = self.evaluate(closure, params, seeds, lambda seed: self.factors(params, seed), move_,
-                               baseline=False, central=True)
-        return losses, projected_gradient(losses[0::2], losses[1::2], self.eps) / self.scale
+        losses = self.evaluate(opt, queries, lambda seed: directions.factors(params, seed), move_, baseline=False,
+                               central=True)
+        return losses, projected_gradient(losses[0::2], losses[1::2], opt.eps) / directions.scale
 
 
 @dataclasses.dataclass
@@ -172,6 +185,7 @@ def check_positive(key: str, value: int) -> None:
 
 
 @OPTIMIZERS.register("lozo", LOZOConfig)
-def build_lozo(named_params: Iterable[tuple[str, torch.Tensor]], cfg: LOZOConfig, seed: int) -> LOZO:
-    return LOZO(decay_groups(named_params, cfg.weight_decay), rank=cfg.rank, step_interval=cfg.step_interval,
-                divide_by_rank=cfg.divide_by_rank, seed=seed, **zo_settings(cfg))
+def build_lozo(named_params: Iterable[tuple[str, torch.Tensor]], cfg: LOZOConfig, seed: int) -> ZOSGD:
+    directions = LowRank(cfg.rank, cfg.step_interval, cfg.divide_by_rank)
+    return ZOSGD(decay_groups(named_params, cfg.weight_decay), cfg, seed=seed,
+                 estimator=LowRankEstimator(directions), rule=LowRankRule(directions))

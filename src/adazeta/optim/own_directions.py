@@ -2,9 +2,9 @@
 
 ZO-SGD's estimators perturb along the seeded Gaussian stream and its rules rebuild the estimate from it
 (``adazeta.optim.engine``). These optimizers shape their directions (HiZOO scales z by a diagonal Hessian, LOZO
-and ZO-Muon perturb a matrix in a low-rank subspace), so each overrides ``ZOSGD.estimate`` with
-``OwnDirectionsZO.evaluate`` (the forwards, one after another) and brings an ``UpdateRule`` that rebuilds its
-directions from the same seeds. What they share, here:
+and ZO-Muon perturb a matrix in a low-rank subspace), so each brings an estimator of its own (an
+``OwnDirections``, whose ``evaluate`` runs the forwards one after another) and an ``UpdateRule`` that rebuilds its
+directions from the same seeds, both composed into a ``ZOSGD`` by its builder. What they share, here:
 
 - queries run one after another on one process: no weight replicas (``batched_queries`` is refused) and no
   query- or data-parallel spread (``parallel_modes`` is empty; a step with a ``plan`` is refused);
@@ -27,9 +27,10 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 
 from adazeta.errors import ConfigError
+from adazeta.optim.engine import Estimator, Queries, as_loss
 from adazeta.optim.memory import TrainedSet
 from adazeta.optim.spsa import NOISE_STREAMS
-from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, as_loss
+from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 
 Closure = Callable[[], Any]
 
@@ -47,29 +48,35 @@ def work_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.promote_types(p.dtype, torch.float32)
 
 
-class OwnDirectionsZO(ZOSGD):
-    """ZOSGD whose estimate perturbs along directions its subclass draws (``draw``) and moves (``move_``)."""
+class OwnDirections(Estimator):
+    """An estimator along directions its optimizer draws (``draw``) and moves (``move_``), on one process: ``name``
+    is the optimizer's registered name (for messages); a subclass computes the step's losses and g_q in ``along``."""
 
-    kind: ClassVar[str] = "own_directions"  # the optimizer's registered name, for messages
+    batched = False
+    parallel = ()
 
-    def estimate_share(self, closure, params, seeds, masks, cache, plan):  # type: ignore[override]
-        raise ConfigError(f"{self.kind} runs on one process (its queries are sequential and its directions its own): "
-                          "launch a single process")
+    def estimate(self, opt: Any, queries: Queries) -> tuple[torch.Tensor, torch.Tensor]:
+        if queries.plan is not None:
+            raise ConfigError(f"{self.name} runs on one process (its queries are sequential and its directions its "
+                              "own): launch a single process")
+        return self.along(opt, queries)
 
-    def evaluate(self, closure: Closure, params: Sequence[torch.Tensor], seeds: Sequence[int],
-                 draw: Callable[[int], Any], move_: Callable[[Any, float], None], *, baseline: bool,
-                 central: bool) -> torch.Tensor:
+    def along(self, opt: Any, queries: Queries) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def evaluate(self, opt: Any, queries: Queries, draw: Callable[[int], Any], move_: Callable[[Any, float], None],
+                 *, baseline: bool, central: bool) -> torch.Tensor:
         """Every loss of the step, one forward each: L(w) first when ``baseline``, then per query q
         L(w + eps d_q) and, when ``central``, L(w - eps d_q). ``draw(seed)`` gives query q's direction d_q (held for
         its passes), ``move_(d, s)`` does w <- w + s d. The weights are w again after each perturbed forward."""
-        eps = self.eps
+        closure, params, eps = queries.closure, queries.params, opt.eps
         saved = None
-        if sum(p.numel() * p.element_size() for p in params) <= self.KEEP_WEIGHTS_BYTES:
+        if sum(p.numel() * p.element_size() for p in params) <= opt.KEEP_WEIGHTS_BYTES:
             saved = [p.detach().clone() for p in params]
         losses: list[torch.Tensor] = []
         if baseline:
             losses.append(as_loss(closure()))
-        for seed in seeds:
+        for seed in queries.seeds:
             d = draw(seed)
             for sign in ((1.0, -1.0) if central else (1.0,)):
                 move_(d, sign * eps)
@@ -82,13 +89,13 @@ class OwnDirectionsZO(ZOSGD):
         return torch.stack(losses)
 
 
-def summed_factors(opt: Any, params: Sequence[torch.Tensor], seeds: Sequence[int], grads: torch.Tensor,
+def summed_factors(directions: Any, params: Sequence[torch.Tensor], seeds: Sequence[int], grads: torch.Tensor,
                    reduction: str) -> list[torch.Tensor]:
-    """(1/Q or 1) sum_q g_q f_q for each parameter, f_q = ``opt.factors(params, seed_q)`` (LOZO's U_q, ZO-Muon's
-    u_q, a vector's z_q), redrawn from the step's seeds."""
+    """(1/Q or 1) sum_q g_q f_q for each parameter, f_q = ``directions.factors(params, seed_q)`` (LOZO's U_q,
+    ZO-Muon's u_q, a vector's z_q), redrawn from the step's seeds."""
     total: list[torch.Tensor] = []
     for seed, g in zip(seeds, grads):
-        factors = opt.factors(params, seed)
+        factors = directions.factors(params, seed)
         if not total:
             total = [torch.zeros_like(f) for f in factors]
         for t, f in zip(total, factors):

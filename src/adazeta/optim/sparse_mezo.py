@@ -91,22 +91,14 @@ def sparse_masks(params: Sequence[torch.Tensor], sparsity: float) -> list[Packed
 class SparseZOSGD(ZOSGD):
     """ZO-SGD whose perturbations and updates are restricted to per-parameter masks (Sparse-MeZO)."""
 
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        sparsity: float = 0.75,
-        mask: str = "magnitude",
-        **kwargs: Any,
-    ):
-        super().__init__(params, **kwargs)
-        if not 0.0 <= sparsity < 1.0:
-            raise ConfigError(f"SparseZOSGD sparsity={sparsity!r} must be in [0, 1)")
-        if mask not in MASK_KINDS:
-            raise ConfigError(f"SparseZOSGD mask={mask!r} must be one of {', '.join(MASK_KINDS)}")
-        self.sparsity, self.mask_kind = sparsity, mask
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+                 config: "SparseZOSGDConfig | None" = None, **kwargs: Any):
+        config = config if config is not None else SparseZOSGDConfig()
+        super().__init__(params, config, **kwargs)
+        self.sparsity, self.mask_kind = config.sparsity, config.mask
         self._params = [p for group in self.param_groups for p in group["params"]]
         # magnitude: computed once, from the starting weights; random: redrawn from each step's seed, never stored.
-        self._masks = sparse_masks(self._params, sparsity) if mask == "magnitude" else None
+        self._masks = sparse_masks(self._params, self.sparsity) if self.mask_kind == "magnitude" else None
 
     def masks(self, params: Sequence[torch.Tensor]) -> Masks:
         """The masks of the coming step (``state_step``)."""
@@ -189,7 +181,4 @@ class SparseZOSGDConfig(ZOSGDConfig):
 def build_sparse_zo_sgd(
     named_params: Iterable[tuple[str, torch.Tensor]], cfg: SparseZOSGDConfig, seed: int
 ) -> SparseZOSGD:
-    # Every ZO-SGD setting passes through under its own name, so new ZO-SGD options reach Sparse-MeZO too.
-    zo = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ZOSGDConfig)}
-    groups = decay_groups(named_params, cfg.weight_decay)
-    return SparseZOSGD(groups, sparsity=cfg.sparsity, mask=cfg.mask, seed=seed, **zo)
+    return SparseZOSGD(decay_groups(named_params, cfg.weight_decay), cfg, seed=seed)

@@ -20,7 +20,7 @@ from adazeta.optim import OPTIMIZERS
 from adazeta.optim.engine import Step, UpdateRule, dense_bytes
 from adazeta.optim.memory import TrainedSet
 from adazeta.optim.spsa import decay_groups
-from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, zo_settings
+from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 
 
 class AdamRule(UpdateRule):
@@ -78,5 +78,4 @@ class ZOAdamConfig(ZOSGDConfig):
 
 @OPTIMIZERS.register("zo_adam", ZOAdamConfig)
 def build_zo_adam(named_params: Iterable[tuple[str, torch.Tensor]], cfg: ZOAdamConfig, seed: int) -> ZOSGD:
-    return ZOSGD(decay_groups(named_params, cfg.weight_decay), seed=seed, rule=AdamRule(cfg.betas, cfg.adam_eps),
-                 **zo_settings(cfg))
+    return ZOSGD(decay_groups(named_params, cfg.weight_decay), cfg, seed=seed, rule=AdamRule(cfg.betas, cfg.adam_eps))

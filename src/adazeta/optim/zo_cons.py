@@ -17,10 +17,10 @@ from typing import Iterable
 import torch
 
 from adazeta.optim import OPTIMIZERS
-from adazeta.optim.engine import Step, UpdateRule, dense_bytes
+from adazeta.optim.engine import Step, UpdateRule, as_loss, dense_bytes
 from adazeta.optim.memory import TrainedSet
 from adazeta.optim.spsa import decay_groups
-from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, as_loss, zo_settings
+from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 
 
 class ConservativeRule(UpdateRule):
@@ -74,4 +74,4 @@ class ZOConsConfig(ZOSGDConfig):
 
 @OPTIMIZERS.register("zo_cons", ZOConsConfig)
 def build_zo_cons(named_params: Iterable[tuple[str, torch.Tensor]], cfg: ZOConsConfig, seed: int) -> ZOSGD:
-    return ZOSGD(decay_groups(named_params, cfg.weight_decay), seed=seed, rule=ConservativeRule(), **zo_settings(cfg))
+    return ZOSGD(decay_groups(named_params, cfg.weight_decay), cfg, seed=seed, rule=ConservativeRule())

@@ -32,9 +32,10 @@ from typing import Iterable
 import torch
 
 from adazeta.optim import OPTIMIZERS
-from adazeta.optim.engine import Estimator, finite_differences, register_estimator
+from adazeta.optim.differences import FiniteDifferences
+from adazeta.optim.engine import register_estimator
 from adazeta.optim.spsa import decay_groups
-from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, zo_settings
+from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 
 
 def fitness_shaped(losses: torch.Tensor) -> torch.Tensor:
@@ -46,12 +47,7 @@ def fitness_shaped(losses: torch.Tensor) -> torch.Tensor:
     return (shaped[0::2] - shaped[1::2]) / 2
 
 
-def _es(opt, closure, params, seeds, masks, cache, plan) -> tuple[torch.Tensor, torch.Tensor]:
-    losses, _ = finite_differences(opt, closure, params, seeds, masks, cache, plan)
-    return losses, fitness_shaped(losses)
-
-
-register_estimator(Estimator("es", lambda q: 2 * q, _es))
+register_estimator(FiniteDifferences("es", "central", shape=fitness_shaped))
 
 
 def fitness_normalised(losses: torch.Tensor) -> torch.Tensor:
@@ -59,13 +55,8 @@ def fitness_normalised(losses: torch.Tensor) -> torch.Tensor:
     return (losses - losses.mean()) / (losses.std(unbiased=False) + 1e-8)
 
 
-def _es_independent(opt, closure, params, seeds, masks, cache, plan) -> tuple[torch.Tensor, torch.Tensor]:
-    losses, _ = finite_differences(opt, closure, params, seeds, masks, cache, plan)
-    return losses, fitness_normalised(losses)
-
-
-register_estimator(Estimator("es_independent", lambda q: q, _es_independent, batched=False, parallel=(),
-                             differences="members"))
+register_estimator(FiniteDifferences("es_independent", "members", shape=fitness_normalised, batched=False,
+                                     parallel=()))
 
 
 @dataclasses.dataclass
@@ -78,4 +69,4 @@ class ESConfig(ZOSGDConfig):
 
 @OPTIMIZERS.register("es", ESConfig)
 def build_es(named_params: Iterable[tuple[str, torch.Tensor]], cfg: ESConfig, seed: int) -> ZOSGD:
-    return ZOSGD(decay_groups(named_params, cfg.weight_decay), seed=seed, **zo_settings(cfg))
+    return ZOSGD(decay_groups(named_params, cfg.weight_decay), cfg, seed=seed)

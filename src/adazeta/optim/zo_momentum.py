@@ -19,7 +19,7 @@ from adazeta.optim import OPTIMIZERS
 from adazeta.optim.engine import Step, UpdateRule, dense_bytes
 from adazeta.optim.memory import TrainedSet
 from adazeta.optim.spsa import decay_groups
-from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, zo_settings
+from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 
 
 class MomentumRule(UpdateRule):
@@ -65,5 +65,4 @@ class ZOMomentumConfig(ZOSGDConfig):
 
 @OPTIMIZERS.register("zo_momentum", ZOMomentumConfig)
 def build_zo_momentum(named_params: Iterable[tuple[str, torch.Tensor]], cfg: ZOMomentumConfig, seed: int) -> ZOSGD:
-    return ZOSGD(decay_groups(named_params, cfg.weight_decay), seed=seed, rule=MomentumRule(cfg.momentum),
-                 **zo_settings(cfg))
+    return ZOSGD(decay_groups(named_params, cfg.weight_decay), cfg, seed=seed, rule=MomentumRule(cfg.momentum))

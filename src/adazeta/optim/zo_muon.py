@@ -44,20 +44,18 @@ Where this implementation differs, and why:
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Iterable, Sequence
+from typing import Any, ClassVar, Iterable, Sequence
 
 import torch
 
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS
-from adazeta.optim.engine import Step, UpdateRule, decay_
+from adazeta.optim.engine import Queries, Step, UpdateRule, decay_
 from adazeta.optim.memory import TrainedSet
 from adazeta.optim.lozo import check_positive
-from adazeta.optim.own_directions import (
-    OwnDirectionsConfig, OwnDirectionsZO, matrix_shape, summed_factors, work_dtype,
-)
+from adazeta.optim.own_directions import OwnDirections, OwnDirectionsConfig, matrix_shape, summed_factors, work_dtype
 from adazeta.optim.spsa import Streams, decay_groups, projected_gradient, subspace_seed
-from adazeta.optim.zo_sgd import zo_settings
+from adazeta.optim.zo_sgd import ZOSGD
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Muon's quintic (Keller Jordan's modded-nanogpt), as the reference
 
@@ -91,37 +89,16 @@ def subspace_ranks(params: Sequence[torch.Tensor], rank: int) -> list[int | None
     return [None if (shape := matrix_shape(p)) is None else min(rank, shape[0]) for p in params]
 
 
-class MuonRule(UpdateRule):
-    """Matrices: w <- w - lr (P NS5((1/Q) sum_q g_q u_q) + wd w); vectors: ZO-SGD's step from the same g_q."""
+class Subspace:
+    """ZO-Muon's directions: P of rank ``rank`` (at most a matrix's rows) per window of ``step_interval`` steps, u_q
+    (and a vector's z_q) per query."""
 
-    name = "zo_muon"
+    def __init__(self, rank: int, step_interval: int):
+        self.rank, self.step_interval = rank, step_interval
 
-    @torch.no_grad()
-    def update_(self, opt: "ZOMuon", step: Step) -> int:
-        params = step.params
-        basis = opt.basis(params)
-        total = summed_factors(opt, params, step.seeds, step.grads, step.reduction)
-        lrs = [lr if P is not None else opt.vector_lr for lr, P in zip(step.lrs, basis)]
-        decay_(params, lrs, step.wds)  # w (1 - lr wd) - lr G: the same as w - lr (G + wd w)
-        for p, t, P, lr in zip(params, total, basis, lrs):
-            move = t if P is None else (P @ newton_schulz5(t, opt.ns_steps)).view(p.shape)
-            p.add_(move, alpha=-lr)
-        return 0
-
-
-class ZOMuon(OwnDirectionsZO):
-    """Subspace ZO estimates P u_q, orthogonalised by Newton-Schulz before the step (ZO-Muon)."""
-
-    kind = "zo_muon"
-
-    def __init__(self, params, rank: int = 64, step_interval: int = 100, ns_steps: int = 5, vector_lr: float = 1e-4,
-                 **settings):
-        super().__init__(params, rule=MuonRule(), **settings)
-        self.rank, self.step_interval, self.ns_steps, self.vector_lr = rank, step_interval, ns_steps, vector_lr
-
-    def basis(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-        """P of this step's window, redrawn from (seed, step // step_interval), one per matrix parameter in order."""
-        streams = Streams(subspace_seed(self.seed, self.state_step // self.step_interval))
+    def basis(self, params: Sequence[torch.Tensor], seed: int, step: int) -> list[torch.Tensor | None]:
+        """P of step ``step``'s window, redrawn from (seed, step // step_interval), one per matrix parameter."""
+        streams = Streams(subspace_seed(seed, step // self.step_interval))
         return [None if r is None else orthonormal_basis(p.shape[0], r, streams.on(p.device), work_dtype(p), p.device)
                 for p, r in zip(params, subspace_ranks(params, self.rank))]
 
@@ -134,19 +111,55 @@ class ZOMuon(OwnDirectionsZO):
             out.append(torch.randn(size, generator=streams.on(p.device), dtype=work_dtype(p), device=p.device))
         return out
 
-    def estimate(self, closure, params, seeds, masks=None, cache=None):  # type: ignore[override]
-        basis = self.basis(params)
+
+class MuonRule(UpdateRule):
+    """Matrices: w <- w - lr (P NS5((1/Q) sum_q g_q u_q) + wd w); vectors: ZO-SGD's step from the same g_q, of size
+    ``vector_lr``."""
+
+    name = "zo_muon"
+
+    def __init__(self, subspace: Subspace, ns_steps: int, vector_lr: float):
+        super().__init__()
+        self.subspace, self.ns_steps, self.vector_lr = subspace, ns_steps, vector_lr
+
+    @torch.no_grad()
+    def update_(self, opt: Any, step: Step) -> int:
+        params = step.params
+        basis = self.subspace.basis(params, opt.seed, opt.state_step)
+        total = summed_factors(self.subspace, params, step.seeds, step.grads, step.reduction)
+        lrs = [lr if P is not None else self.vector_lr for lr, P in zip(step.lrs, basis)]
+        decay_(params, lrs, step.wds)  # w (1 - lr wd) - lr G: the same as w - lr (G + wd w)
+        for p, t, P, lr in zip(params, total, basis, lrs):
+            move = t if P is None else (P @ newton_schulz5(t, self.ns_steps)).view(p.shape)
+            p.add_(move, alpha=-lr)
+        return 0
+
+
+class SubspaceEstimator(OwnDirections):
+    """ZO-Muon's estimate along P u_q (matrices) and z_q (vectors): one-sided with a shared L(w) (Q + 1 forwards),
+    or ``central`` (2Q)."""
+
+    name = "zo_muon"
+
+    def __init__(self, subspace: Subspace, central: bool):
+        self.subspace, self.central = subspace, central
+
+    def forwards(self, queries: int) -> int:
+        return 2 * queries if self.central else queries + 1
+
+    def along(self, opt: Any, queries: Queries) -> tuple[torch.Tensor, torch.Tensor]:
+        params, subspace, central = queries.params, self.subspace, self.central
+        basis = subspace.basis(params, opt.seed, opt.state_step)
 
         def move_(factors: list[torch.Tensor], scale: float) -> None:
             for p, f, P in zip(params, factors, basis):
                 p.add_(f if P is None else (P @ f).view(p.shape), alpha=scale)
 
-        central = self.estimator == "central"
-        losses = self.evaluate(closure, params, seeds, lambda seed: self.factors(params, seed), move_,
+        losses = self.evaluate(opt, queries, lambda seed: subspace.factors(params, seed), move_,
                                baseline=not central, central=central)
         if central:
-            return losses, projected_gradient(losses[0::2], losses[1::2], self.eps)
-        return losses, (losses[1:] - losses[0]) / self.eps
+            return losses, projected_gradient(losses[0::2], losses[1::2], opt.eps)
+        return losses, (losses[1:] - losses[0]) / opt.eps
 
 
 @dataclasses.dataclass
@@ -209,6 +222,8 @@ class ZOMuonConfig(OwnDirectionsConfig):
 
 
 @OPTIMIZERS.register("zo_muon", ZOMuonConfig)
-def build_zo_muon(named_params: Iterable[tuple[str, torch.Tensor]], cfg: ZOMuonConfig, seed: int) -> ZOMuon:
-    return ZOMuon(decay_groups(named_params, cfg.weight_decay), rank=cfg.rank, step_interval=cfg.step_interval,
-                  ns_steps=cfg.ns_steps, vector_lr=cfg.vector_lr, seed=seed, **zo_settings(cfg))
+def build_zo_muon(named_params: Iterable[tuple[str, torch.Tensor]], cfg: ZOMuonConfig, seed: int) -> ZOSGD:
+    subspace = Subspace(cfg.rank, cfg.step_interval)
+    return ZOSGD(decay_groups(named_params, cfg.weight_decay), cfg, seed=seed,
+                 estimator=SubspaceEstimator(subspace, central=cfg.estimator == "central"),
+                 rule=MuonRule(subspace, cfg.ns_steps, cfg.vector_lr))

@@ -1,81 +1,31 @@
-"""ZO-SGD: MeZO's zeroth-order SGD (Malladi et al. 2023) with Q queries a step, a drop-in ``torch.optim.Optimizer``.
-
-Over 400 lines: one optimizer class (sequential, batched and distributed steps, guard hooks) and its config.
+"""ZO-SGD: MeZO's zeroth-order SGD (Malladi et al. 2023) with Q queries a step, a drop-in ``torch.optim.Optimizer``,
+composed of an estimator and an update rule (``adazeta.optim.engine``) and built from its config, ``ZOSGDConfig``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-import time
 from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import torch
 
-from adazeta.distributed import StepPlan, all_sum_
+from adazeta.distributed import StepPlan
 from adazeta.errors import ConfigError
 from adazeta.optim import OPTIMIZERS, OptimizerCapabilities
-from adazeta.optim.batched import auto_chunk, estimate_batched
-from adazeta.optim.engine import ESTIMATORS, SGDRule, Step, UpdateRule, estimator as estimator_of
+from adazeta.registry import ESTIMATORS
+from adazeta.optim.engine import Estimator, Queries, SGDRule, Step, UpdateRule, estimator as estimator_of
 from adazeta.optim.memory import TrainedSet, draw_bytes, kept_count
 from adazeta.optim.spsa import (
-    NOISE_STREAMS,
-    DirectionCache,
-    Masks,
-    NoiseLayout,
-    decay_groups,
-    noise_layout,
-    perturb_,
-    projected_gradient,
-    query_seed,
-    each_draw,
+    NOISE_STREAMS, DirectionCache, Masks, NoiseLayout, decay_groups, each_draw, noise_layout, query_seed,
 )
-
-log = logging.getLogger("adazeta")
 
 Closure = Callable[[], torch.Tensor | float]
 
 REDUCTIONS = ("mean", "sum")
 
 
-def _validate(
-    where: str, lr: float, eps: float, weight_decay: float, reduction: str, estimator: str, noise: str = "per_tensor"
-) -> None:
-    """Fail at start-up, naming the field, its value and what is allowed."""
-    if lr < 0:
-        raise ConfigError(f"{where}lr={lr!r} must be >= 0")
-    if eps <= 0:
-        raise ConfigError(f"{where}eps={eps!r} must be > 0")
-    if weight_decay < 0:
-        raise ConfigError(f"{where}weight_decay={weight_decay!r} must be >= 0")
-    if reduction not in REDUCTIONS:
-        raise ConfigError(f"{where}reduction={reduction!r} must be one of {', '.join(REDUCTIONS)}")
-    if estimator not in ESTIMATORS:
-        raise ConfigError(f"{where}estimator={estimator!r} must be one of {', '.join(ESTIMATORS.names())}")
-    if noise not in NOISE_STREAMS:
-        raise ConfigError(f"{where}noise={noise!r} must be one of {', '.join(NOISE_STREAMS)}")
-
-
-AUTO_CHUNK_LIMIT = 64  # query_chunk=auto never replicates a minibatch more than this many times
-
-
-def _check_chunk(where: str, query_chunk: Any) -> int | str:
-    if query_chunk == "auto":
-        return query_chunk
-    if isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
-        raise ConfigError(f"{where}query_chunk={query_chunk!r} must be an int >= 1 (loss evaluations per forward) "
-                          "or auto (as many as query_memory allows)")
-    return query_chunk
-
-
-def _check_memory(where: str, query_memory: Any) -> float:
-    if isinstance(query_memory, bool) or not isinstance(query_memory, (int, float)) or not query_memory > 0:
-        raise ConfigError(f"{where}query_memory={query_memory!r} must be a number > 0 (a fraction of the inference "
-                          "forward's memory, e.g. 0.05)")
-    return float(query_memory)
-
-
-def _check_queries(n_queries: Any) -> int:
+def check_queries(n_queries: Any) -> int:
+    """A step's query count (the schedule's, each step): an int >= 1."""
     if isinstance(n_queries, bool) or not isinstance(n_queries, int) or n_queries < 1:
         raise ConfigError(f"ZOSGD n_queries={n_queries!r} must be an int >= 1")
     return n_queries
@@ -91,13 +41,15 @@ class ZOSGD(torch.optim.Optimizer):
 
     The directions are never stored across steps: query q of step k draws z from ``query_seed(seed, k, q)``
     through the noise stream ``noise`` (``adazeta.optim.spsa.NOISE_STREAMS``); within a step, a trainable set
-    whose z takes at most ``KEEP_DIRECTION_BYTES`` draws each z once and keeps it for the update. The step is
-    split in two: ``estimate`` evaluates the perturbed losses and returns the projected gradients, and
-    ``zo_update_`` applies them. With ``batched_queries`` (adapter methods) and a closure that can evaluate
-    weight replicas (``adazeta.optim.batched.ReplicaClosure``), the losses come from batched forwards of at most
-    ``query_chunk`` perturbed copies each, with the same z and the same projected gradients; a plain closure
-    falls back to one forward per loss. ``forward_passes`` counts loss evaluations either way. A distributed
-    estimator (queries spread over ranks, projected gradients all-gathered) overrides ``estimate`` only.
+    whose z takes at most ``KEEP_DIRECTION_BYTES`` draws each z once and keeps it for the update.
+
+    An optimizer is this class composed of an estimator and an update rule and built from its typed config
+    (``ZOSGD(params, config, seed=..., estimator=..., rule=...)``; the config was validated when it was made). The
+    estimator (``adazeta.optim.engine.Estimator``: by default the config's ``estimator``, registered in
+    ``ESTIMATORS``) evaluates the perturbed losses and returns the projected gradients: one forward per loss, in
+    batched forwards over weight replicas (``batched_queries`` and a ``ReplicaClosure``), or this rank's share of
+    a step spread over processes (``adazeta.optim.differences``); ``forward_passes`` counts loss evaluations
+    either way. The rule (``UpdateRule``: by default ZO-SGD's, ``zo_update_`` from the seeds) applies them.
     """
 
     zeroth_order = True
@@ -116,47 +68,35 @@ class ZOSGD(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-4,
-        eps: float = 1e-3,
-        weight_decay: float = 0.0,
+        config: "ZOSGDConfig | None" = None,
+        *,
         seed: int = 0,
         n_queries: int = 1,
-        reduction: str = "mean",
-        estimator: str = "central",
-        batched_queries: bool = False,
-        query_chunk: int | str = 4,
-        noise: str = "per_tensor",
-        query_memory: float = 0.05,
+        estimator: Estimator | None = None,
         rule: UpdateRule | None = None,
     ):
-        _validate("ZOSGD ", lr, eps, weight_decay, reduction, estimator, noise)
-        self.rule = rule if rule is not None else SGDRule()  # how the step moves (adazeta.optim.engine)
-        self.noise = noise
-        self._layout: NoiseLayout | None = None
-        self.batched_queries = bool(batched_queries)
-        self.query_chunk = _check_chunk("ZOSGD ", query_chunk)
-        self.query_memory = _check_memory("ZOSGD ", query_memory)
-        self.last_chunk: int | None = None  # batched: the replicas per forward of the last step
-        self._warned_sequential = False
-        if seed < 0:
-            raise ConfigError(f"ZOSGD seed={seed!r} must be >= 0")
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
-        for group in self.param_groups:  # per-group overrides get the same checks as the defaults
-            _validate("ZOSGD param group ", group["lr"], eps, group["weight_decay"], reduction, estimator)
+        # The config was validated when it was made (``ZOSGDConfig.__post_init__``; a run's lr > 0 by its settings):
+        # nothing here checks it again.
+        self.config = config if config is not None else ZOSGDConfig()
+        cfg = self.config
+        # how the step's losses are evaluated and become g_q: the config's registered estimator unless the optimizer
+        # brings its own (HiZOO, LOZO, ZO-Muon); how the step moves: plain SGD unless it brings a rule
+        self.estimator = estimator if estimator is not None else estimator_of(cfg.estimator)
+        self.rule = rule if rule is not None else SGDRule()
+        super().__init__(params, dict(lr=cfg.lr, weight_decay=cfg.weight_decay))
         # eps is one value for all parameters: one perturbation moves every parameter along the same z.
-        self.eps = eps
+        self.eps, self.noise, self.reduction = cfg.eps, cfg.noise, cfg.reduction
         self.seed = seed
-        self.n_queries = _check_queries(n_queries)
-        self.reduction = reduction
-        self.estimator = estimator
-        self.differences = estimator_of(estimator).differences  # the finite differences ``estimate`` takes
+        self.n_queries = n_queries  # the step's Q when the loop passes none (checked by ``step``)
+        self._layout: NoiseLayout | None = None
+        self.last_chunk: int | None = None  # batched: the replicas per forward of the last step
+        self.warned_sequential = False  # batched_queries with a closure that has no replicas: warned once
         self.state_step = 0
         self.forward_passes = 0
         self.last_losses: torch.Tensor | None = None
         self.last_projected_grads: torch.Tensor | None = None
         self.last_evaluated_seeds: list[int] | None = None  # several processes: the queries this rank evaluated
         self.comm_s: list[float] = []  # several processes: seconds of each step's all-reduce (for the benches)
-        self._restore: tuple[int, float] | None = None
         self._last_update: tuple | None = None  # what the last step applied, for ``intended_update``
 
     @property
@@ -181,7 +121,7 @@ class ZOSGD(torch.optim.Optimizer):
         """
         if closure is None:
             raise ValueError("ZOSGD.step needs a closure that returns the loss (no backward)")
-        q = self.n_queries = _check_queries(self.n_queries if n_queries is None else n_queries)
+        q = self.n_queries = check_queries(self.n_queries if n_queries is None else n_queries)
         params, lrs, wds = [], [], []
         for group in self.param_groups:
             for p in group["params"]:
@@ -193,178 +133,19 @@ class ZOSGD(torch.optim.Optimizer):
         layout = self._layout = noise_layout(params, self.noise, self._layout)
         cache = DirectionCache(layout, masks, self.KEEP_DIRECTION_BYTES)
 
-        self._restore = None  # an estimate may leave its last restoring perturbation to the update's pass
-        losses, grads = estimator_of(self.estimator).estimate(self, closure, params, seeds, masks, cache, plan)
-        update = Step(params, seeds, grads, lrs, wds, masks, layout, cache, self._restore, self.reduction, self.noise,
-                      closure, losses)
+        queries = Queries(closure, params, seeds, masks, cache, plan)
+        losses, grads = self.estimator.estimate(self, queries)
+        # an estimate may leave its last restoring perturbation to the update's pass (``queries.restore``)
+        update = Step(params, seeds, grads, lrs, wds, masks, layout, cache, queries.restore, self.reduction,
+                      self.noise, closure, losses)
         extra = self.rule.update_(self, update)  # the rule's own forwards (a candidate search), else 0
-        self._restore = None
         self._last_update = (seeds, grads, lrs, wds, masks, layout)
-        del cache, update
+        del cache, update, queries
 
         self.state_step += 1
         self.forward_passes += len(losses) + extra
         self.last_losses, self.last_projected_grads = losses, grads
         return losses.mean()
-
-    def estimate(
-        self,
-        closure: Closure,
-        params: Sequence[torch.Tensor],
-        seeds: Sequence[int],
-        masks: Masks = None,
-        cache: DirectionCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Evaluate the perturbed losses; return (all losses evaluated, projected gradient per query) on device.
-
-        Leaves the parameters as it found them (up to rounding). Queries run one after another here; override
-        this method to batch them or to spread them over ranks. ``cache`` hands out z drawn once per query.
-        """
-        if cache is None:
-            cache = DirectionCache(noise_layout(params, self.noise, self._layout), masks)  # keeps nothing
-        if self._replicas(closure):
-            return estimate_batched(closure, params, seeds, self.eps, self.differences, self._chunk(closure, params),
-                                    masks, cache)
-        return self._estimate_sequential(closure, params, seeds, masks, cache)
-
-    def _replicas(self, closure: Closure) -> bool:
-        """Whether the losses come from batched forwards over weight replicas (``batched_queries``)."""
-        if self.batched_queries:
-            if callable(getattr(closure, "replicated", None)):
-                return True
-            if not self._warned_sequential:  # e.g. a generation objective: nothing to replicate
-                log.warning("batched_queries=true, but this closure cannot evaluate weight replicas: sequential")
-                self._warned_sequential = True
-        return False
-
-    def _chunk(self, closure: Closure, params: Sequence[torch.Tensor]) -> int:
-        """Replicas per batched forward: ``query_chunk``, or with ``auto`` the most that ``query_memory`` allows."""
-        chunk = self.query_chunk
-        if chunk == "auto":
-            chunk = auto_chunk(closure, params, self.query_memory, AUTO_CHUNK_LIMIT)
-        self.last_chunk = chunk
-        return chunk
-
-    def _estimate_sequential(
-        self,
-        closure: Closure,
-        params: Sequence[torch.Tensor],
-        seeds: Sequence[int],
-        masks: Masks,
-        cache: DirectionCache,
-        evaluated: Sequence[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward per loss, perturbing the parameters in place; ``evaluated``: the indices of the queries to
-        evaluate (None: all). The others are perturbed and restored without a forward, so that the parameters
-        end with the rounding of the whole step's perturbations, as on a single process."""
-        layout, eps = cache.layout, self.eps
-        wanted = set(range(len(seeds)) if evaluated is None else evaluated)
-        saved = [f.clone() for f in layout.flat] if layout.nbytes <= self.KEEP_WEIGHTS_BYTES else None
-
-        def restore(seed: int, scale: float, z: Any) -> None:
-            if saved is not None:
-                torch._foreach_copy_(layout.flat, saved)  # exact, whatever the rounding of the perturbations
-            else:
-                perturb_(params, seed, scale, masks, self.noise, z, layout)
-
-        # One query with a z drawn on every pass (a full model): its restoring pass is left to the update, which
-        # undoes it with the z it draws anyway (``zo_update_(restore=...)``): a quarter of the step's draws.
-        defer = self.FUSE_RESTORE and len(seeds) == 1 and cache.peek(seeds[0]) is None and saved is None
-        losses: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        if self.differences == "central":
-            for i, seed in enumerate(seeds):
-                z = cache.get(seed)  # None: regenerated on every pass
-                perturb_(params, seed, eps, masks, self.noise, z, layout)
-                loss_plus = as_loss(closure()) if i in wanted else None
-                perturb_(params, seed, -2 * eps, masks, self.noise, z, layout)
-                loss_minus = as_loss(closure()) if i in wanted else None
-                if defer and z is None:
-                    self._restore = (seed, eps)
-                else:
-                    restore(seed, eps, z)
-                del z
-                if i in wanted:
-                    losses += [loss_plus, loss_minus]
-                    grads.append(projected_gradient(loss_plus, loss_minus, eps))
-        elif self.differences == "members":
-            # One forward at each w + eps z_q, no difference taken: the estimator shapes the Q losses (ES).
-            for i, seed in enumerate(seeds):
-                z = cache.get(seed)
-                perturb_(params, seed, eps, masks, self.noise, z, layout)
-                if i in wanted:
-                    losses.append(as_loss(closure()))
-                restore(seed, -eps, z)
-                del z
-            grads = list(losses)
-        else:
-            # One-sided (L(w + eps z) - L(w)) / eps: Q + 1 forwards instead of 2Q, at the price of O(eps) bias.
-            loss_zero = as_loss(closure()) if wanted else None
-            if wanted:
-                losses.append(loss_zero)
-            for i, seed in enumerate(seeds):
-                z = cache.get(seed)
-                perturb_(params, seed, eps, masks, self.noise, z, layout)
-                loss_plus = as_loss(closure()) if i in wanted else None
-                if defer and z is None:
-                    self._restore = (seed, -eps)
-                else:
-                    restore(seed, -eps, z)
-                del z
-                if i in wanted:
-                    losses.append(loss_plus)
-                    grads.append((loss_plus - loss_zero) / eps)
-        if not losses:
-            empty = torch.zeros(0, device=params[0].device)
-            return empty, empty
-        return torch.stack(losses), torch.stack(grads)
-
-    def estimate_share(
-        self,
-        closure: Closure,
-        params: Sequence[torch.Tensor],
-        seeds: Sequence[int],
-        masks: Masks,
-        cache: DirectionCache,
-        plan: StepPlan,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's queries on this rank's shard, summed over the ranks into the whole step's estimate.
-
-        Each rank fills the slots of its queries with its losses and projected gradients times its shard's share
-        of the minibatch (zeros elsewhere); one all-reduce of the 3Q floats completes them on every rank.
-        """
-        q, central = len(seeds), self.differences == "central"
-        mine = plan.queries(q)
-        n_losses = 2 * q if central else q + 1
-        dtype = torch.promote_types(params[0].dtype, torch.float32)
-        buffer = torch.zeros(n_losses + q, dtype=dtype, device=params[0].device)
-        losses, grads = buffer[:n_losses], buffer[n_losses:]
-        weight = plan.weight
-        evaluates = bool(mine) and weight > 0  # a rank without a query this step, or with an empty shard: zeros
-        if not evaluates:
-            mine = []
-        self.last_evaluated_seeds = [seeds[i] for i in mine]
-        if self._replicas(closure):  # the parameters stay untouched; keep the z a single process keeps
-            cache.keep(seeds)
-            local_losses, local_grads = (
-                estimate_batched(closure, params, [seeds[i] for i in mine], self.eps, self.differences,
-                                 self._chunk(closure, params), masks, cache) if evaluates else (None, None))
-        else:  # the other ranks' queries are perturbed and restored too: the same rounding on every rank
-            local_losses, local_grads = self._estimate_sequential(closure, params, seeds, masks, cache, mine)
-        if evaluates:
-            at = torch.tensor(mine, device=buffer.device)
-            grads[at] = local_grads.to(dtype) * weight
-            local_losses = local_losses.to(dtype) * weight
-            if central:
-                losses[2 * at], losses[2 * at + 1] = local_losses[0::2], local_losses[1::2]
-            else:
-                if plan.group == 0:  # the unperturbed loss: every group computes it, one group reports it
-                    losses[0] = local_losses[0]
-                losses[1 + at] = local_losses[1:]
-        start = time.perf_counter()
-        all_sum_(buffer)
-        self.comm_s.append(time.perf_counter() - start)  # the step's one all-reduce, timed where it runs
-        return losses, grads
 
     @torch.no_grad()
     def intended_update(self, index: Sequence[torch.Tensor | None],
@@ -428,15 +209,7 @@ class ZOSGD(torch.optim.Optimizer):
             self.state_step = int(zo["step"])
             self.seed = int(zo["seed"])
             self.forward_passes = int(zo.get("forward_passes", 0))
-            self.n_queries = _check_queries(int(zo.get("n_queries", self.n_queries)))
-
-
-def as_loss(value: torch.Tensor | float) -> torch.Tensor:
-    """The closure's loss as a detached scalar tensor of at least fp32, left on its device (no host sync)."""
-    loss = torch.as_tensor(value).detach()
-    if loss.numel() != 1:
-        raise ValueError(f"the ZOSGD closure must return a scalar loss, got shape {tuple(loss.shape)}")
-    return loss.to(torch.promote_types(loss.dtype, torch.float32)).reshape(())
+            self.n_queries = int(zo.get("n_queries", self.n_queries))
 
 
 @dataclasses.dataclass
@@ -526,35 +299,31 @@ class ZOSGDConfig(OptimizerCapabilities):
         return trained.nbytes if kept else draw_bytes(trained)
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:  # a run's rate (the class takes 0: a tool may estimate without moving the weights)
-            raise ConfigError(f"method.optimizer.lr={self.lr!r} must be > 0: a learning rate of {self.lr!r} never "
-                              "moves a weight")
-        _validate("method.optimizer.", self.lr, self.eps, self.weight_decay, self.reduction, self.estimator, self.noise)
-        _check_chunk("method.optimizer.", self.query_chunk)
-        _check_memory("method.optimizer.", self.query_memory)
+        # lr > 0 is a run's rule, checked once with the settings (``adazeta.settings``); a tool may estimate at 0.
+        where = "method.optimizer."
+        if self.eps <= 0:
+            raise ConfigError(f"{where}eps={self.eps!r} must be > 0")
+        if self.weight_decay < 0:
+            raise ConfigError(f"{where}weight_decay={self.weight_decay!r} must be >= 0")
+        if self.reduction not in REDUCTIONS:
+            raise ConfigError(f"{where}reduction={self.reduction!r} must be one of {', '.join(REDUCTIONS)}")
+        if self.estimator not in ESTIMATORS:
+            raise ConfigError(f"{where}estimator={self.estimator!r} must be one of {', '.join(ESTIMATORS.names())}")
+        if self.noise not in NOISE_STREAMS:
+            raise ConfigError(f"{where}noise={self.noise!r} must be one of {', '.join(NOISE_STREAMS)}")
+        chunk = self.query_chunk
+        if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ConfigError(f"{where}query_chunk={chunk!r} must be an int >= 1 (loss evaluations per forward) "
+                              "or auto (as many as query_memory allows)")
+        memory = self.query_memory
+        if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not memory > 0:
+            raise ConfigError(f"{where}query_memory={memory!r} must be a number > 0 (a fraction of the inference "
+                              "forward's memory, e.g. 0.05)")
         if self.batched_queries and not estimator_of(self.estimator).batched:
-            raise ConfigError(f"method.optimizer.estimator={self.estimator} evaluates no weight replicas; set "
-                              "method.optimizer.batched_queries=false")
-
-
-def zo_settings(cfg: ZOSGDConfig) -> dict[str, Any]:
-    """The ZOSGD constructor's keyword arguments from a config (every ZO-SGD field, under its own name): an
-    optimizer built on the engine passes them through, so new ZO-SGD options reach it too."""
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ZOSGDConfig)}
+            raise ConfigError(f"{where}estimator={self.estimator} evaluates no weight replicas; set "
+                              f"{where}batched_queries=false")
 
 
 @OPTIMIZERS.register("zo_sgd", ZOSGDConfig)
 def build_zo_sgd(named_params: Iterable[tuple[str, torch.Tensor]], cfg: ZOSGDConfig, seed: int) -> ZOSGD:
-    return ZOSGD(
-        decay_groups(named_params, cfg.weight_decay),
-        lr=cfg.lr,
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        seed=seed,
-        reduction=cfg.reduction,
-        estimator=cfg.estimator,
-        batched_queries=cfg.batched_queries,
-        query_chunk=cfg.query_chunk,
-        query_memory=cfg.query_memory,
-        noise=cfg.noise,
-    )
+    return ZOSGD(decay_groups(named_params, cfg.weight_decay), cfg, seed=seed)

@@ -18,7 +18,7 @@ from adazeta.optim import OPTIMIZERS
 from adazeta.optim.engine import Step, UpdateRule, decay_, dense_bytes
 from adazeta.optim.memory import TrainedSet
 from adazeta.optim.spsa import decay_groups
-from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig, zo_settings
+from adazeta.optim.zo_sgd import ZOSGD, ZOSGDConfig
 
 
 class SignRule(UpdateRule):
@@ -47,4 +47,4 @@ class ZOSignConfig(ZOSGDConfig):
 
 @OPTIMIZERS.register("zo_sign", ZOSignConfig)
 def build_zo_sign(named_params: Iterable[tuple[str, torch.Tensor]], cfg: ZOSignConfig, seed: int) -> ZOSGD:
-    return ZOSGD(decay_groups(named_params, cfg.weight_decay), seed=seed, rule=SignRule(), **zo_settings(cfg))
+    return ZOSGD(decay_groups(named_params, cfg.weight_decay), cfg, seed=seed, rule=SignRule())

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from adazeta.optim.batched import ReplicaClosure
-from adazeta.optim.engine import estimator
 from adazeta.tools.bench.common import Report, Setup, first_order_optimizer, first_order_step, timed, zo_optimizer
 
 
@@ -22,7 +21,7 @@ def measure_zo_steps(args: argparse.Namespace, report: Report, setup: Setup, bat
     closure = ReplicaClosure(scorer.model, functools.partial(scorer.replica_losses, batch), batch)
     for q in args.queries:
         opts = {"sequential": zo_optimizer(args, setup, False, 1)}
-        n_forwards = estimator(opts["sequential"].estimator).forwards(q)  # the estimator's own declaration
+        n_forwards = opts["sequential"].estimator.forwards(q)  # the estimator's own declaration
         for chunk in args.chunks:  # chunks at or above the step's loss evaluations all run the same forwards
             opts[f"batched (chunk {chunk})"] = zo_optimizer(args, setup, True, chunk)
         # The step's own number of plain loss forwards (no autograd, as the step runs them), in the same rounds.
