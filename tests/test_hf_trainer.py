@@ -78,3 +78,11 @@ def test_gradient_accumulation_is_refused(tmp_path):
     model = add_adapters(tiny_model(), "tt", bottleneck=8, rank=2, num_factors=2)
     with pytest.raises(ConfigError, match="gradient_accumulation_steps must be 1"):
         ZOTrainer(model=model, args=args(tmp_path, gradient_accumulation_steps=2), train_dataset=dataset())
+
+
+@pytest.mark.parametrize("zo,learning_rate", [({"lr": 0.0}, 1e-4), ({}, 0.0), ({"lr": -1e-3}, 1e-4)])
+def test_a_learning_rate_that_never_moves_a_weight_is_refused(zo, learning_rate, tmp_path):
+    """As a run's settings refuse method.optimizer.lr <= 0: from zo's lr, else TrainingArguments'."""
+    model = add_adapters(tiny_model(), "tt", bottleneck=8, rank=2, num_factors=2)
+    with pytest.raises(ConfigError, match=r"ZOTrainer: lr=.* must be > 0"):
+        ZOTrainer(model=model, args=args(tmp_path, learning_rate=learning_rate), train_dataset=dataset(), zo=zo)

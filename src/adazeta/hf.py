@@ -83,6 +83,10 @@ class ZOTrainer(Trainer):
         self._zo_grad_steps = 0
         self.zo_values = dict(zo or {})  # the step size: zo's lr, else TrainingArguments.learning_rate
         self.zo_config = make_config(ZOSGDConfig, {"lr": self.args.learning_rate, **self.zo_values}, where="ZOTrainer zo")
+        if self.zo_config.lr <= 0:  # a run's settings refuse it too (adazeta.settings); no weight would ever move
+            raise ConfigError(f"ZOTrainer: lr={self.zo_config.lr!r} must be > 0: a learning rate of "
+                              f"{self.zo_config.lr!r} never moves a weight; set zo={{'lr': 1e-4}} or "
+                              "TrainingArguments(learning_rate=1e-4)")
         self.schedule_name, self.schedule_values, self.zo_seed = schedule, dict(schedule_config or {}), seed
         self._schedule = None
         SCHEDULES.config(schedule, self.schedule_values)  # a bad name or value fails here, before training
