@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from adazeta import cli
+from helpers import ROOT, compose_cfg, tiny_overrides
 
 # Only offline variables: the command must never need the network.
 ENV = {k: v for k, v in os.environ.items() if not k.startswith(("ADAZETA_", "WANDB_"))}
@@ -140,3 +142,36 @@ def test_dry_run_of_any_model_from_a_folder_holding_only_its_config(tmp_path):
     assert "architecture     model_type gemma3_text, hidden_size 32, intermediate_size 64" in res.stdout
     assert "trainable params 888" in res.stdout  # 6 MLP sites found from the structure x 148
     assert "adapters         6" in res.stdout
+
+
+# --- the pre-check hands its settings to the run ----------------------------------------------------------------
+
+
+def test_a_run_parses_its_settings_once_the_pre_check_hands_them_over(fixture_data, tmp_path, monkeypatch):
+    """``adazeta-run`` composes and parses the command line before Hydra runs it (``adazeta.overrides.check``); the
+    run takes those settings instead of parsing Hydra's composition again, and they are the very ones it records.
+    A caller without a pre-check (``adazeta.run.run`` alone) parses; a config that differs from the pre-checked one
+    is parsed, never replaced."""
+    from omegaconf import OmegaConf
+
+    import adazeta.settings as settings_module
+
+    parsed, real_parse = [], settings_module.parse
+
+    def counted(cfg):
+        parsed.append(cfg)
+        return real_parse(cfg)
+
+    monkeypatch.setattr(settings_module, "parse", counted)
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(sys, "argv", ["adazeta-run", *tiny_overrides(fixture_data, "train.max_steps=1"),
+                                      f"hydra.run.dir={run_dir}"])
+    cli.main()
+    assert len(parsed) == 1
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "finished"
+
+    checked = real_parse(compose_cfg(tiny_overrides(fixture_data)))
+    other = compose_cfg(tiny_overrides(fixture_data, "seed=7"))
+    assert settings_module.parse_once(compose_cfg(tiny_overrides(fixture_data)), checked) is checked
+    assert settings_module.parse_once(other, checked).seed == 7  # not this config's: parsed
+    assert settings_module.parse_once(other, None).raw == OmegaConf.to_container(other, resolve=True)

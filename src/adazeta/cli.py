@@ -65,6 +65,10 @@ from adazeta.paths import CONFIG_ENV, config_dir  # noqa: F401  (CONFIG_ENV re-e
 from adazeta.runs.record import main_score, resume_hint
 from adazeta.runs.rundir import Interrupted, PeerLost, claim, received_signal
 
+# A single run's settings as the pre-check parsed them (``check``), for the run to take rather than parse again.
+_prechecked: dict[str, Any] = {}
+
+
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def _main(cfg: DictConfig) -> float | None:
     from adazeta.run import run
@@ -82,12 +86,12 @@ def _main(cfg: DictConfig) -> float | None:
     where = launch_env()
     if where is not None and where[0] != 0:  # another task of a multi-task SLURM job: rank 0 reports
         try:
-            run(cfg, run_dir, list(hydra_cfg.overrides.task))
+            run(cfg, run_dir, list(hydra_cfg.overrides.task), settings=_prechecked.get("settings"))
         except ConfigError:
             pass
         return None
     try:
-        record = run(cfg, run_dir, list(hydra_cfg.overrides.task))
+        record = run(cfg, run_dir, list(hydra_cfg.overrides.task), settings=_prechecked.get("settings"))
         if where is not None:
             _exiting_on_signal()  # the run is over and recorded: no start-up left for a signal to stop
     except ConfigError as err:
@@ -196,7 +200,7 @@ def report_failure(hydra_cfg: Any, line: str) -> None:
         f.write(line.replace("\n", " ") + "\n")
 
 
-def follow(argv: list[str]) -> None:
+def follow(argv: list[str], settings: Any = None) -> None:
     """Rank 1.. of a run on several processes: the same composed config, no run directory or log file of its
     own (rank 0 runs Hydra, owns the directory and tells the others where it is and what to do)."""
     from hydra import compose, initialize_config_dir
@@ -208,7 +212,7 @@ def follow(argv: list[str]) -> None:
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
-        run(cfg, Path("."), overrides)
+        run(cfg, Path("."), overrides, settings=settings)
         _exiting_on_signal()  # the run is over: no start-up left for a signal to stop
     except PeerError:
         return  # rank 0 prints the line and fails the launch; failing here first could stop rank 0 before it does
@@ -341,7 +345,7 @@ def _main_checked(where: tuple[int, int, int] | None) -> None:
         # Rank 0 alone fails: a rank that failed first would have torchrun stop rank 0 before it prints the line.
         sys.exit(2 if where[0] == 0 else 0)
     if where is not None and where[0] != 0:
-        follow(checked.argv)
+        follow(checked.argv, checked.settings)
         return
     if checked.argv[:1] == ["--help"]:  # a page to read (conf/hydra/help/adazeta.yaml), not Hydra's config dump
         from adazeta.helppage import render
@@ -363,9 +367,11 @@ def _main_checked(where: tuple[int, int, int] | None) -> None:
         if report is not None:
             report.unlink(missing_ok=True)  # an earlier sweep's report: this sweep writes its own
         sys.argv = [sys.argv[0], *checked.argv]
+        _prechecked["settings"] = checked.settings
         try:
             _main()
         finally:
+            _prechecked.clear()
             remove_unused_run_dir()  # a dry run, or a run refused at its start: no folder with an empty log
         failed = report.read_text(encoding="utf-8").splitlines() if report is not None and report.is_file() else []
     if checked.dropped or failed:

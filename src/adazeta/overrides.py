@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import difflib
 import re
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ class Checked:
     errors: list[str] = field(default_factory=list)  # a run cannot start: exit 2
     dropped: list[str] = field(default_factory=list)  # sweep values left out: the sweep runs without them
     sweep_dir: Path | None = None  # a sweep's directory, where its jobs report the points that failed
+    settings: Any = None  # a single run's typed settings, parsed here once (``adazeta.settings.Settings``)
 
 
 @dataclass
@@ -56,14 +58,20 @@ class Source:
     config_dir: str
     config_name: str = "config"
     extra_dir: str | None = None  # --config-dir
+    _composed: dict[tuple[tuple[str, ...], bool], Any] = field(default_factory=dict, repr=False, compare=False)
 
     def compose(self, overrides: list[str], hydra: bool = False) -> Any:
+        """The config these overrides compose to (a copy: each command line is composed once per check)."""
         from hydra import compose, initialize_config_dir
 
-        if self.extra_dir is not None:
-            overrides = [*overrides, f"hydra.searchpath=[file://{self.extra_dir}]"]
-        with initialize_config_dir(config_dir=self.config_dir, version_base="1.3"):
-            return compose(config_name=self.config_name, overrides=overrides, return_hydra_config=hydra)
+        key = (tuple(overrides), hydra)
+        if key not in self._composed:
+            if self.extra_dir is not None:
+                overrides = [*overrides, f"hydra.searchpath=[file://{self.extra_dir}]"]
+            with initialize_config_dir(config_dir=self.config_dir, version_base="1.3"):
+                self._composed[key] = compose(config_name=self.config_name, overrides=overrides,
+                                              return_hydra_config=hydra)
+        return copy.deepcopy(self._composed[key])
 
     def options(self, group: str) -> list[str]:
         dirs = [self.config_dir] + ([self.extra_dir] if self.extra_dir else [])
@@ -481,24 +489,29 @@ def _unresolved(cfg: Any, parsed: list[Any]) -> str | None:
 def _settings_error(source: Source, parsed: list[Any], base: list[str], unused: bool = True) -> str | None:
     """One line for a run whose config has an interpolation that cannot be resolved, whose typed settings do not
     parse, or that sets a key its other settings ignore."""
+    return _parsed_settings(source, parsed, base, unused)[0]
+
+
+def _parsed_settings(source: Source, parsed: list[Any], base: list[str], unused: bool = True) -> tuple[str | None, Any]:
+    """(``_settings_error``'s line or None, the typed settings when they parsed and nothing is wrong, else None)."""
     from adazeta.errors import ConfigError
     from adazeta.settings import parse, unused_keys
 
     try:
         cfg = source.compose(base)
     except Exception:
-        return None
+        return None, None
     problem = _unresolved(cfg, parsed)
     if problem:
-        return problem
+        return problem, None
     try:
         settings = parse(cfg)
     except ConfigError as err:
-        return str(err)
+        return str(err), None
     except Exception:  # not a user's mistake we can name here: the run reports it
-        return None
+        return None, None
     if not unused:
-        return None
+        return None, settings
     ignored = unused_keys(settings)
     for p in parsed:
         if p.is_delete() or p.key_or_group.startswith("hydra"):
@@ -506,8 +519,8 @@ def _settings_error(source: Source, parsed: list[Any], base: list[str], unused: 
         path = p.package if p.package and source.is_group(p.key_or_group) else p.key_or_group
         for key, why in ignored.items():
             if path == key or path.startswith(key + "."):
-                return f"{p.input_line} is ignored: {why}"
-    return None
+                return f"{p.input_line} is ignored: {why}", None
+    return None, settings
 
 
 def _unescaped(override: str) -> str:
@@ -664,8 +677,9 @@ def check(argv: list[str], config_dir: str) -> Checked:
     problem = _unwritable_output(target, multirun)
     if problem:
         return Checked(list(argv), errors=[problem])
+    settings = None  # a single run's, handed to the run: its settings are parsed once
     if not multirun and not ns.cfg and not ns.info:
-        problem = _settings_error(source, parsed, base)
+        problem, settings = _parsed_settings(source, parsed, base)
         if problem:
             return Checked(list(argv), errors=[problem])
     new_overrides, dropped = list(overrides), []
@@ -693,4 +707,4 @@ def check(argv: list[str], config_dir: str) -> Checked:
         # Resolved once, here, so that the jobs and the summary at the end agree on it (``${now:...}`` moves on).
         new_overrides = [a for a in new_overrides if not a.startswith("hydra.sweep.dir=")]
         new_overrides.append(f"hydra.sweep.dir={target}")
-    return Checked(flags + new_overrides, dropped=dropped, sweep_dir=target if multirun else None)
+    return Checked(flags + new_overrides, dropped=dropped, sweep_dir=target if multirun else None, settings=settings)

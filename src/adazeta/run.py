@@ -41,7 +41,7 @@ from adazeta.runs.rundir import (
 )
 from adazeta.runs.saving import model_card, save_adapters
 from adazeta.build import build, preflight, seed_everything
-from adazeta.settings import Settings, parse
+from adazeta.settings import Settings, parse_once
 from adazeta.tasks.loaders import TaskData
 from adazeta.tracking import (
     DivergenceMonitor,
@@ -60,7 +60,7 @@ log = logging.getLogger("adazeta")
 
 
 def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None,
-        observers: Sequence[Observer] = ()) -> dict[str, Any]:
+        observers: Sequence[Observer] = (), settings: Settings | None = None) -> dict[str, Any]:
     """Run one experiment described by the composed config; write its files to ``run_dir``; return the record.
 
     The run directory is claimed for the whole run (a second run on it is refused). A directory that holds a
@@ -68,11 +68,12 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str] | None = None,
     checkpoint when it was interrupted; one that holds a run of other settings is refused unless ``force``, as is
     one whose record or checkpoint is damaged (never taken for an empty directory). ``observers``: tools that
     watch the run's steps and evaluations (``adazeta.train.Observer``: diagnostics, benches); no number changes.
+    ``settings``: the command's pre-check parsed them already (used when they are this config's: parsed once).
     """
     forget_signals()
     where = distributed.launch_env()
     try:
-        s: Settings | None = parse(adopt_saved_run(cfg, overrides or []))
+        s: Settings | None = parse_once(adopt_saved_run(cfg, overrides or []), settings)
         preflight(s)
         problem = None
     except ConfigError as err:

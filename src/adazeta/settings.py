@@ -110,6 +110,15 @@ def _required(raw: dict[str, Any]) -> None:
             raise ConfigError(f"{key}={show(raw[key])} must be a {key} option with a name; choose one with {key}=NAME")
 
 
+def parse_once(cfg: DictConfig, prechecked: Settings | None) -> Settings:
+    """The run's settings: ``prechecked`` (the command's pre-check parsed them, ``adazeta.overrides.check``) when
+    its config is this one, value for value; else ``cfg`` parsed now (a caller without a pre-check, a config adopted
+    from a saved run, a resolver whose value moved between the two compositions)."""
+    if prechecked is not None and prechecked.raw == _plain(cfg):
+        return prechecked
+    return parse(cfg)
+
+
 def parse(cfg: DictConfig) -> Settings:
     """Hydra config -> typed settings. Raises ConfigError with a one-line message on any bad value."""
     raw = _plain(cfg)
