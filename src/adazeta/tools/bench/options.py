@@ -5,8 +5,10 @@ Per option: the loss forward, the ZO step at Q = 1 (sequential) and Q = 4 (batch
 throughput, each as a ratio to fp32 measured in the same run; the model's resident bytes (parameters and
 buffers); the roofline (the decoder's rate in FLOP/s over its linear layers, as a share of a dense matmul's
 rate in the same dtype); and fidelity: the ZO estimate's cosine with the fp32 autograd gradient at Q = 1, 4, 16,
-and the share of projected gradients whose sign agrees with fp32's on the same directions. An option whose
-cosine is more than 5 % below fp32's is flagged as measurably worse.
+and the share of projected gradients whose sign agrees with fp32's on the same directions; and the realised-update
+guard's reading of a Q = 1 step (the share of the trainable entries the update changed, cos(applied, intended)).
+An option whose cosine is more than 5 % below fp32's is flagged as measurably worse, one whose weights took less
+than half of an update as losing updates to rounding.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 
 from adazeta.tools.fidelity import autograd_gradient, estimate_cosine, projected_gradients
 from adazeta.optim.batched import ReplicaClosure
+from adazeta.guards import GuardConfig, UpdateProbe
 from adazeta.precision import BF16_FEATURES, Int8Linear, cpu_flags
 from adazeta.runs.results import cpu_name
 from adazeta.tools.bench.common import Report, Setup, setup_for, timed, zo_optimizer
@@ -92,6 +95,14 @@ def measure_option(args: argparse.Namespace, report: Report, name: str, setup: S
     }
     stats = timed(runs, device, args.repeats, args.warmup)
     medians = {k: v.median for k, v in stats.items()}
+    # The realised-update guard's reading of one more Q = 1 step: how much of the intended update the weights took.
+    probe = UpdateProbe([p for group in q1.param_groups for p in group["params"]], GuardConfig().sample)
+    probe.before()
+    q1.step(closure, n_queries=1)
+    update = probe.after(q1.intended_update)
+    report.add("update", "realised update: share of measured entries changed", name, update.changed, "")
+    report.add("update", "realised update: cos(applied, intended)", name, update.cosine, "")
+    medians["changed"], medians["update cosine"] = update.changed, update.cosine
     medians["evaluation"] = len(setup.dev_items) / medians["evaluation"]  # examples per second
     for key, st in stats.items():
         report.add("options", key, name, medians[key] if key == "evaluation" else st, "ex/s" if key == "evaluation" else "s")
@@ -144,12 +155,15 @@ def measure_options(args: argparse.Namespace, report: Report) -> list[str]:
         medians[name] = measure_option(args, report, name, setups[name])
     cosines = measure_fidelity(args, report, setups)
     base = medians["fp32"]
+    runs_timed = ("forward", "ZO step, Q=1", "ZO step, Q=4 batched", "evaluation")
     for name, m in medians.items():
-        speed = {k: (base[k] / m[k] if k != "evaluation" else m[k] / base[k]) for k in base if k != "roofline"}
+        speed = {k: (base[k] / m[k] if k != "evaluation" else m[k] / base[k]) for k in base if k in runs_timed}
         for key, ratio in speed.items():
             report.add("options", f"{key}: speed-up over fp32", name, ratio, "x")
         worse = cosines[name] < (1 - WORSE) * cosines["fp32"]
         lines.append(f"{name:<22} " + "  ".join(f"{k} {v:.2f}x" for k, v in speed.items())
                      + f"  roofline {m['roofline']:.2f}  cos(Q=16) {cosines[name]:.3f}"
-                     + ("  MEASURABLY WORSE estimate than fp32" if worse else ""))
+                     + f"  update taken {m['changed']:.1%} (cos {m['update cosine']:.3f})"
+                     + ("  MEASURABLY WORSE estimate than fp32" if worse else "")
+                     + ("  UPDATES LOST to rounding" if m["changed"] < 0.5 else ""))
     return lines
