@@ -148,8 +148,8 @@ def test_dry_run_of_any_model_from_a_folder_holding_only_its_config(tmp_path):
 
 
 def test_a_run_parses_its_settings_once_the_pre_check_hands_them_over(fixture_data, tmp_path, monkeypatch):
-    """``adazeta-run`` composes and parses the command line before Hydra runs it (``adazeta.overrides.check``); the
-    run takes those settings instead of parsing Hydra's composition again, and they are the very ones it records.
+    """``adazeta-run`` composes (once) and parses the command line before Hydra runs it (``adazeta.overrides.check``);
+    the run takes those settings instead of parsing Hydra's composition again, and they are the very ones it records.
     A caller without a pre-check (``adazeta.run.run`` alone) parses; a config that differs from the pre-checked one
     is parsed, never replaced."""
     from omegaconf import OmegaConf
@@ -163,11 +163,20 @@ def test_a_run_parses_its_settings_once_the_pre_check_hands_them_over(fixture_da
         return real_parse(cfg)
 
     monkeypatch.setattr(settings_module, "parse", counted)
+    import hydra
+
+    composed, real_compose = [], hydra.compose
+
+    def counted_compose(*args, **kwargs):
+        composed.append(kwargs.get("overrides"))
+        return real_compose(*args, **kwargs)
+
+    monkeypatch.setattr(hydra, "compose", counted_compose)  # the pre-check's compositions (Hydra's job has its own)
     run_dir = tmp_path / "run"
     monkeypatch.setattr(sys, "argv", ["adazeta-run", *tiny_overrides(fixture_data, "train.max_steps=1"),
                                       f"hydra.run.dir={run_dir}"])
     cli.main()
-    assert len(parsed) == 1
+    assert len(parsed) == 1 and len(composed) == 1
     assert json.loads((run_dir / "result.json").read_text())["status"] == "finished"
 
     checked = real_parse(compose_cfg(tiny_overrides(fixture_data)))

@@ -58,20 +58,27 @@ class Source:
     config_dir: str
     config_name: str = "config"
     extra_dir: str | None = None  # --config-dir
-    _composed: dict[tuple[tuple[str, ...], bool], Any] = field(default_factory=dict, repr=False, compare=False)
+    _composed: dict[tuple[str, ...], Any] = field(default_factory=dict, repr=False, compare=False)
 
     def compose(self, overrides: list[str], hydra: bool = False) -> Any:
-        """The config these overrides compose to (a copy: each command line is composed once per check)."""
+        """The config these overrides compose to, with Hydra's own node if ``hydra``; a copy: each command line is
+        composed once per check (without the node, it is that composition less ``hydra``, as Hydra's compose
+        returns it)."""
         from hydra import compose, initialize_config_dir
+        from omegaconf import open_dict
 
-        key = (tuple(overrides), hydra)
+        key = tuple(overrides)
         if key not in self._composed:
             if self.extra_dir is not None:
                 overrides = [*overrides, f"hydra.searchpath=[file://{self.extra_dir}]"]
             with initialize_config_dir(config_dir=self.config_dir, version_base="1.3"):
                 self._composed[key] = compose(config_name=self.config_name, overrides=overrides,
-                                              return_hydra_config=hydra)
-        return copy.deepcopy(self._composed[key])
+                                              return_hydra_config=True)
+        cfg = copy.deepcopy(self._composed[key])
+        if not hydra and "hydra" in cfg:
+            with open_dict(cfg):
+                del cfg["hydra"]
+        return cfg
 
     def options(self, group: str) -> list[str]:
         dirs = [self.config_dir] + ([self.extra_dir] if self.extra_dir else [])
