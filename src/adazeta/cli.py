@@ -6,7 +6,8 @@
 
 The command line is checked before Hydra runs it (``adazeta.overrides``): flags and overrides are composed
 first, without torch, so that a mistyped option is reported in a second; a single run's composed config is then
-parsed into its typed settings (which imports torch), before Hydra creates the run directory. The runner
+parsed into its typed settings (which imports torch), before Hydra creates the run directory, and those settings
+are handed to the run (``adazeta.settings.parse_once``), which does not parse them again. The runner
 (``adazeta.run``: torch, transformers) and ``adazeta.distributed`` (torch) are imported inside the functions that
 run, the one place this package imports late on purpose.
 
