@@ -655,3 +655,33 @@ def test_a_second_copy_of_a_running_sweep_is_refused_and_leaves_the_first_ones_r
                                     f"{os.getpid()} "), err
     assert report.read_text() == "seed=3: the first sweep's own line\n"
     assert sorted(p.name for p in sweep_dir.iterdir()) == [".sweep.lock", cli.FAILURES]
+
+
+# --- rank 0 died: the checkpoint it left is taken only when it is this run's ------------------------------------
+
+
+@pytest.mark.parametrize("case", ["same settings", "other settings", "unreadable", "rows missing", "none"])
+def test_a_checkpoint_rank_0_left_is_resumed_only_when_verified_else_moved_aside(case, runs, tmp_path):
+    """``verified_checkpoint``: the survivor that records a run whose rank 0 died resumes from rank 0's checkpoint
+    only when it is readable, of these settings and layout, with its CSV rows there; any other file is moved to
+    ``checkpoint.unverified.pt`` (kept for a person to read, never resumed) and the same command starts over."""
+    from adazeta import distributed
+    from adazeta.settings import parse
+
+    run_dir = copy(runs, "cut", tmp_path)
+    original = (run_dir / CHECKPOINT).read_bytes()
+    s = parse(compose_cfg(overrides(runs["data"], *(["seed=12345"] if case == "other settings" else []))))
+    if case == "unreadable":
+        (run_dir / CHECKPOINT).write_bytes(original[: len(original) // 2])
+    elif case == "rows missing":
+        lines = (run_dir / "metrics.csv").read_text().splitlines(keepends=True)
+        (run_dir / "metrics.csv").write_text("".join(lines[:2]))
+    elif case == "none":
+        (run_dir / CHECKPOINT).unlink()
+    step = run_module.verified_checkpoint(run_dir, s, distributed.SINGLE)
+    if case == "same settings":
+        assert step == 5 and (run_dir / CHECKPOINT).read_bytes() == original
+        assert not (run_dir / run_module.UNVERIFIED).exists()
+    else:
+        assert step is None and not (run_dir / CHECKPOINT).exists()
+        assert (run_dir / run_module.UNVERIFIED).is_file() == (case != "none")
