@@ -549,7 +549,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(where, fixture_data, tm
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(*((cli, "check") if where == "check" else (run_module, "parse")), interrupt)
+    monkeypatch.setattr(*((cli, "check") if where == "check" else (run_module, "parse_once")), interrupt)
     run_dir = tmp_path / "run"
     code, err = run_cli(monkeypatch, capsys, fixture_data, run_dir)
     assert code == 128 + signal.SIGINT, err
@@ -561,6 +561,21 @@ def command_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+@pytest.mark.parametrize("argv0,command", [("/usr/bin/adazeta-run", True), ("my_script.py", False)])
+def test_the_package_takes_ctrl_c_first_when_it_is_the_command(argv0, command):
+    """The package installs the one-line Ctrl-C handler before it imports anything (omegaconf takes a tenth of a
+    second): a SIGINT at the command's very start is the same line and 130; a library import keeps Python's."""
+    code = (f"import os, signal, sys, time\nsys.argv[0] = {argv0!r}\nimport adazeta\n"
+            "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=command_env(), capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == str(not command)
+    if command:
+        assert proc.returncode == 128 + signal.SIGINT and proc.stderr.strip().splitlines() == [cli.STARTUP_INTERRUPTED]
+    else:
+        assert proc.returncode == -signal.SIGINT and "KeyboardInterrupt" in proc.stderr  # Python's own ending
 
 
 def test_a_real_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(fixture_data, tmp_path):

@@ -29,19 +29,12 @@ import signal
 import sys
 import threading
 
-STARTUP_INTERRUPTED = ("adazeta-run: interrupted (SIGINT) during start-up, before the run began: nothing was recorded; "
-                       "run the command again")
-
-
-def _interrupted_while_importing(signum: int, frame: Any) -> None:
-    """Ctrl-C while the command's modules import: one line, not the traceback of whatever was importing."""
-    print(STARTUP_INTERRUPTED, file=sys.stderr, flush=True)
-    os._exit(128 + signum)  # nothing is written yet: nothing to clean up
-
+# The package installed the Ctrl-C handler of the command's imports before anything else (adazeta/__init__.py).
+from adazeta import STARTUP_INTERRUPTED, interrupted_while_importing  # noqa: E402
 
 _COMMAND = __name__ == "__main__" or os.path.basename(sys.argv[0]) == "adazeta-run"  # not a library import (tests)
 if _COMMAND and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _interrupted_while_importing)  # main() takes Ctrl-C over once imports are done
+    signal.signal(signal.SIGINT, interrupted_while_importing)  # main() takes Ctrl-C over once imports are done
 
 import contextlib  # noqa: E402  (after the Ctrl-C handler: these imports take seconds)
 import logging  # noqa: E402
@@ -281,7 +274,7 @@ def main() -> None:
     previous = signal.getsignal(signal.SIGINT)
     # By name: under `python -m adazeta.cli` the handler was installed by the module run as __main__.
     ours = previous is signal.default_int_handler or getattr(previous, "__name__", None) == \
-        _interrupted_while_importing.__name__
+        interrupted_while_importing.__name__
     if ours and threading.current_thread() is threading.main_thread():
         _start_up_interrupted.clear()
         signal.signal(signal.SIGINT, _interrupted_during_start_up)
