@@ -137,7 +137,8 @@ class ZOTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """The Trainer's log, with ``zo_projected_grad`` (mean |projected gradient| since the last log) beside a
-        training loss."""
+        training loss, and no ``grad_norm`` (0 for gradients that were never computed)."""
+        logs.pop("grad_norm", None)  # transformers 4.x clips (and logs the norm of) gradients a ZO step never made
         if "loss" in logs and self._zo_grad_steps:
             logs["zo_projected_grad"] = float(self._zo_grad_sum) / self._zo_grad_steps
             self._zo_grad_sum, self._zo_grad_steps = 0.0, 0
