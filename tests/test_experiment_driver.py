@@ -248,9 +248,11 @@ def test_a_stop_signal_reaches_the_runs_and_the_driver_ends_with_its_status(root
         "sys.argv = ['experiment.py', 'cpu_zo_claims', '--arms', 'zero_shot,zero_shot_cc', '--phase', 'select',"
         " '--jobs', '1']\n"
         "d.main()\n")
+    first = root / "results" / "runs" / "cpu_zo_claims" / "zero_shot" / "seed=0"
+    first.mkdir(parents=True)
+    (first / "stdout.log").write_text("the console of the run's first part\n")  # a run interrupted before
     proc = subprocess.Popen([sys.executable, str(script)], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(Path(driver.__file__).parents[2])})
-    first = root / "results" / "runs" / "cpu_zo_claims" / "zero_shot" / "seed=0"
     for _ in range(300):
         if (first / "got.ready").exists():
             break
@@ -261,6 +263,9 @@ def test_a_stop_signal_reaches_the_runs_and_the_driver_ends_with_its_status(root
     assert (first / "got").read_text() == str(int(signal.SIGTERM))  # the run got the signal
     assert not (root / "results" / "runs" / "cpu_zo_claims" / "zero_shot_cc").exists()  # nothing new started
     assert "Traceback" not in err and "stopped by SIGTERM" in err and "the same command continues" in err
+    assert sum(line.startswith("$ ") for line in out.splitlines()) == 1, out  # only the run that started
+    log = (first / "stdout.log").read_text().splitlines()  # its first part's console is kept, then the new one
+    assert log[0] == "the console of the run's first part" and log[1].startswith("# --- continued ")
 
 
 def test_a_run_another_process_holds_is_left_to_it_and_a_free_one_is_launched(root, monkeypatch, capsys):

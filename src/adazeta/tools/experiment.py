@@ -335,15 +335,18 @@ def _main() -> None:
                 print(f"# {job.arm}{where} lr={job.lr} seed={job.seed}: skipped, {status(job.run_dir)} meanwhile",
                       flush=True)
                 return 0
+            if CHILDREN.stopped is not None:  # stopping: the runs not started stay for the next invocation
+                return 0
             print("$ adazeta-run " + " ".join(shlex.quote(a) for a in cmd[3:]), flush=True)
             if args.dry:
-                return 0
-            if CHILDREN.stopped is not None:  # stopping: the runs not started stay for the next invocation
                 return 0
             job.run_dir.mkdir(parents=True, exist_ok=True)
             log_launch(job, cmd, code, args.allow_dirty)
             start = time.time()
-            with open(job.run_dir / "stdout.log", "w") as log:
+            with open(job.run_dir / "stdout.log", "a") as log:  # a resumed run's console follows its first part's
+                if log.tell():
+                    log.write(f"# --- continued {time.strftime('%Y-%m-%d %H:%M:%S')} by the study driver ---\n")
+                    log.flush()
                 rc = CHILDREN.run(cmd, env, log)
             print(f"# {job.arm}{where} lr={job.lr} seed={job.seed}: {status(job.run_dir)} (exit {rc}, "
                   f"{time.time() - start:.0f} s)", flush=True)
