@@ -10,7 +10,8 @@
                                                environment or files can make differ); ``R@STEP:SIGNAL``: rank R
                                                sends SIGNAL to itself after STEP (``SIGINT/launcher``: to
                                                torchrun, which a terminal's Ctrl-C reaches, and which relays it
-                                               to every rank)
+                                               to every rank); ``R@start-up:SIGNAL``: during the command's
+                                               start-up check, before the run begins
 """
 
 from __future__ import annotations
@@ -91,7 +92,18 @@ def cli_with_one_rank_different(what: str, overrides: list[str]) -> None:
     rank, _, at = who.partition("@")
     mine = os.environ.get("RANK") == rank
     extra = [change] if mine and not at else []
-    if mine and at:
+    if mine and at == "start-up":  # during the command's start-up check, before the run begins
+        name, _, target = change.partition("/")
+        check = cli.check
+
+        def check_then_signal(*args, **kwargs):
+            checked = check(*args, **kwargs)
+            os.kill(os.getppid() if target == "launcher" else os.getpid(), signal.Signals[name])
+            time.sleep(5)  # the start-up still under way when torchrun relays the signal to the ranks
+            return checked
+
+        cli.check = check_then_signal
+    elif mine and at:
         name, _, target = change.partition("/")
         progress_step = train_module.Progress.step
 

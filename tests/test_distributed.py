@@ -289,6 +289,19 @@ def test_ctrl_c_to_the_process_group_checkpoints_and_a_resume_keeps_the_layout(f
     assert (resumed["status"], resumed["resumed_from_step"], resumed["steps"]) == ("finished", 3, 8)
 
 
+def test_ctrl_c_to_the_process_group_during_start_up_is_one_line_and_writes_nothing(fixture_data, tmp_path):
+    """Ctrl-C while the ranks check their command line (before the run begins): torchrun relays it, rank 0 says so
+    in one line and exits 130, the other ranks end by the signal, no rank prints a traceback, nothing is written."""
+    run_dir = tmp_path / "run"
+    done = launch_cli("0@start-up:SIGINT/launcher", *tiny_overrides(fixture_data, "method=mezo_lora"),
+                      f"hydra.run.dir={run_dir}")
+    lines = [x for x in done.stderr.splitlines() if x.startswith("adazeta-run:")]
+    assert lines == ["adazeta-run: interrupted (SIGINT during the start-up, before the run began); nothing was "
+                     "written, so the same command starts the run"], done.stderr[-3000:]
+    assert done.returncode != 0 and no_rank_traceback(done.stderr), done.stderr[-3000:]
+    assert not run_dir.exists()
+
+
 def test_rank_zero_killed_leaves_a_failed_record_with_its_last_checkpoint(fixture_data, tmp_path):
     """Before: SIGKILL to rank 0 left no result.json at all. Now the surviving rank sees rank 0's process gone,
     writes the failed record naming it, and offers the checkpoint rank 0 left once it checked that it resumes."""
