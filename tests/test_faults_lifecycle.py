@@ -592,6 +592,22 @@ def test_a_real_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(fixture
     assert not (tmp_path / "run" / "result.json").exists()
 
 
+def test_a_caller_gets_its_signal_handlers_back_after_an_interrupted_run(fixture_data, tmp_path, monkeypatch,
+                                                                         capsys):
+    """``adazeta.cli.main`` called in another program's process (a test, a script): the run's stop handlers and
+    the signals it ignores on its recorded way out are the command's, not the caller's. Before, SIGINT stayed
+    ignored in the caller after an interrupted run, and every child it started later inherited that: a Ctrl-C
+    test started after one then saw its command run to the end (exit 0)."""
+    from adazeta.runs.rundir import STOP_SIGNALS
+
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    with pytest.MonkeyPatch.context() as m:
+        signal_at_step(m, 2)
+        code, err = run_cli(monkeypatch, capsys, fixture_data, tmp_path / "run")
+    assert code == 128 + signal.SIGTERM and record(tmp_path / "run")["status"] == "interrupted", err
+    assert {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} == before
+
+
 @pytest.mark.parametrize("swallowed", [False, True])
 def test_a_ctrl_c_during_start_up_stops_it_even_where_a_library_swallows_it(swallowed, fixture_data, tmp_path,
                                                                             monkeypatch, capsys):

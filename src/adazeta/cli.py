@@ -57,7 +57,7 @@ from adazeta.errors import ConfigError, PeerError
 from adazeta.overrides import check
 from adazeta.paths import CONFIG_ENV, config_dir  # noqa: F401  (CONFIG_ENV re-exported)
 from adazeta.runs.record import main_score, resume_hint
-from adazeta.runs.rundir import Interrupted, PeerLost, claim, received_signal
+from adazeta.runs.rundir import STOP_SIGNALS, Interrupted, PeerLost, claim, received_signal
 
 # A single run's settings as the pre-check parsed them (``check``), for the run to take rather than parse again.
 _prechecked: dict[str, Any] = {}
@@ -271,11 +271,15 @@ def main() -> None:
     """Check the overrides (one line and exit 2 for a mistake), run, and sum up a sweep's failed points. Ctrl-C
     before the run begins (its directory claimed, its signals handled: ``adazeta.runs.rundir.StopSignals``) is one line
     and exit status 130."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    # A caller's process (tests, a script calling main) gets its signal handlers back at the end, whatever the
+    # run set (its stop handlers, the ignored signals of a recorded exit: children would inherit SIG_IGN).
+    callers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if main_thread and not _own_process() else {}
     previous = signal.getsignal(signal.SIGINT)
     # By name: under `python -m adazeta.cli` the handler was installed by the module run as __main__.
     ours = previous is signal.default_int_handler or getattr(previous, "__name__", None) == \
         interrupted_while_importing.__name__
-    if ours and threading.current_thread() is threading.main_thread():
+    if ours and main_thread:
         _start_up_interrupted.clear()
         signal.signal(signal.SIGINT, _interrupted_during_start_up)
     else:
@@ -295,9 +299,8 @@ def main() -> None:
             os._exit(128 + signal.SIGINT.value)
         sys.exit(128 + signal.SIGINT.value)
     finally:
-        if ours and signal.getsignal(signal.SIGINT) is _interrupted_during_start_up:  # a caller's handler back
-            signal.signal(signal.SIGINT, previous if previous is signal.default_int_handler
-                          else signal.default_int_handler)
+        for sig, handler in callers.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _own_process() -> bool:
