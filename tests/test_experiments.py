@@ -454,3 +454,20 @@ def test_committed_runs_of_one_arm_at_one_rate_are_one_setting():
             keys = set().union(*settings)
             split[key] = sorted(k for k in keys if len({repr(s.get(k, "<absent>")) for s in settings}) > 1)
     assert not split, f"runs of one arm and rate split into several settings by: {split}"
+
+
+def test_the_cell_listing_leaves_a_task_matrix_to_its_own_rule(tmp_path):
+    """``selected.csv`` lists each experiment's setting chosen on dev cell by cell; a task matrix (cpu_table2)
+    chooses one rate per arm pooled over its grid tasks once the grid has ended, so its grid points are not
+    listed there as chosen cells (its report says what is chosen)."""
+    from adazeta.tools.make_tables import cells_chosen_on_dev, matrix_experiments
+
+    assert "cpu_table2" in matrix_experiments()
+    write_result(tmp_path, "adazeta", 0, 1e-3, 0.70, 0.6)
+    matrix = tmp_path / "adazeta-lr0.001-s0" / "result.json"
+    (tmp_path / "in_matrix").mkdir()
+    record = json.loads(matrix.read_text())
+    (tmp_path / "in_matrix" / "result.json").write_text(json.dumps({**record, "experiment": "cpu_table2"}))
+    chosen = cells_chosen_on_dev(load_results([tmp_path]))
+    assert list(chosen["experiment"]) == ["fx"]
+    assert set(select_on_dev(load_results([tmp_path]))["experiment"]) == {"fx", "cpu_table2"}

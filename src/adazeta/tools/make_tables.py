@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from adazeta.paths import config_dir
 from adazeta.errors import ConfigError
@@ -34,6 +35,15 @@ def experiment_axes(name: str) -> tuple[list[str] | None, list[str] | None]:
     tasks = design.grid.get("task")
     methods = [arm.method for arm in design.arms.values()]
     return (None if None in methods else methods), ([str(t) for t in tasks] if tasks else None)
+
+
+def cells_chosen_on_dev(results: Any) -> Any:
+    """Each experiment's setting chosen on dev, cell by cell (``select_on_dev``), except the task matrices': they
+    choose by their own registered rule (a rate pooled over tasks, only once a grid has ended), in their report."""
+    if not len(results):
+        return results
+    selected = select_on_dev(results)
+    return selected[~selected["experiment"].isin(matrix_experiments())].reset_index(drop=True)
 
 
 def matrix_experiments() -> list[str]:
@@ -65,7 +75,7 @@ def main() -> None:
     except ConfigError as err:
         print(f"make_tables: error: {err}", file=sys.stderr)
         sys.exit(2)
-    selected = select_on_dev(results) if len(results) else results
+    selected = cells_chosen_on_dev(results)
     args.out.mkdir(parents=True, exist_ok=True)
     # stress tests (NAME_stress) run chosen settings at raised rates: nothing there is to be selected
     experiments = sorted(e for e in set(paper["experiment"]) - {"memory"} | set(selected.get("experiment", []))
