@@ -557,6 +557,12 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(where, fixture_data, tm
     assert not run_dir.exists()
 
 
+def as_from_a_terminal() -> None:
+    """A child's SIGINT at its default, as a command typed in a terminal has it: a test runner started in the
+    background (``cmd &`` in a script) ignores SIGINT, and its children would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def command_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env["OMP_NUM_THREADS"] = "1"
@@ -570,7 +576,8 @@ def test_the_package_takes_ctrl_c_first_when_it_is_the_command(argv0, command):
     code = (f"import os, signal, sys, time\nsys.argv[0] = {argv0!r}\nimport adazeta\n"
             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)\n"
             "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=command_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], env=command_env(), capture_output=True, text=True, timeout=60,
+                          preexec_fn=as_from_a_terminal)
     assert proc.stdout.strip() == str(not command)
     if command:
         assert proc.returncode == 128 + signal.SIGINT and proc.stderr.strip().splitlines() == [cli.STARTUP_INTERRUPTED]
@@ -583,7 +590,7 @@ def test_a_real_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(fixture
     whichever import it stopped."""
     proc = subprocess.Popen([sys.executable, "-m", "adazeta.cli", *overrides(fixture_data),
                              f"hydra.run.dir={tmp_path / 'run'}"], env=command_env(), stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.DEVNULL, text=True, preexec_fn=as_from_a_terminal)
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
@@ -627,15 +634,18 @@ def test_a_ctrl_c_during_start_up_stops_it_even_where_a_library_swallows_it(swal
                 raise
         return checked
 
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    caller = signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python sets it for a terminal's command
     monkeypatch.setattr(cli, "check", check_then_ctrl_c)
     monkeypatch.setattr(sys, "argv", ["adazeta-run", *overrides(fixture_data), f"hydra.run.dir={tmp_path / 'run'}"])
-    with pytest.raises(SystemExit) as stop:
-        cli.main()
+    try:
+        with pytest.raises(SystemExit) as stop:
+            cli.main()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the caller's handler is back
+    finally:
+        signal.signal(signal.SIGINT, caller)
     assert stop.value.code == 128 + signal.SIGINT
     assert capsys.readouterr().err.strip().splitlines() == [cli.STARTUP_INTERRUPTED]
     assert not (tmp_path / "run" / "result.json").exists()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 @pytest.mark.parametrize("stdout", ["closed-pipe", "full-device"])
