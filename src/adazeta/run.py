@@ -349,6 +349,10 @@ def execute(
                 written = record.as_dict()
                 try:
                     write_result(run_dir / "result.json", written)
+                    if d.enabled and d.is_main and record.status in ("failed", "interrupted"):
+                        # Rank 0 ended with a record: a rank let go later (a hung one) must not take rank 0 for
+                        # dead without a word and write the record again in its place (heir_of_main).
+                        distributed.report_failure(f"rank 0 recorded the run as {record.status}")
                 finally:
                     if tracker is not None:
                         tracker.summary({k: v for k, v in written.items()
