@@ -344,6 +344,13 @@ def report_failure(message: str, signal_name: str | None = None) -> None:
         log.debug("could not leave the report in the store", exc_info=True)
 
 
+def mark_recorded(status: str) -> None:
+    """Rank 0 wrote a failed or interrupted record: leave a report, so that a rank let go later (a hung one) does
+    not take rank 0 for dead without a word and write the record again in its place (``heir_of_main``)."""
+    if dist.is_initialized() and dist.get_rank() == 0 and status in ("failed", "interrupted"):
+        report_failure(f"rank 0 recorded the run as {status}")
+
+
 @dataclass(frozen=True)
 class PeerReport:
     """Why another rank stopped, as rank 0 records it: ``reason`` names the rank; ``signal``: a signal stopped

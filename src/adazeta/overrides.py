@@ -675,13 +675,9 @@ def check(argv: list[str], config_dir: str) -> Checked:
     error = _compose_error(source, base)
     if error is not None:
         return Checked(list(argv), errors=[_blame(source, base, error)])
-    problem = _added_unknown(parsed, source, base)
-    if problem is None and ns.cfg:
-        problem = _package(ns, source, base)
-    if problem:
-        return Checked(list(argv), errors=[problem])
-    target = output_dir(source, base, multirun)
-    problem = _unwritable_output(target, multirun)
+    target = output_dir(source, base, multirun)  # the composition above, read from the cache
+    problem = (_added_unknown(parsed, source, base) or (_package(ns, source, base) if ns.cfg else None)
+               or _unwritable_output(target, multirun))
     if problem:
         return Checked(list(argv), errors=[problem])
     settings = None  # a single run's, handed to the run: its settings are parsed once

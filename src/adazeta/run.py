@@ -293,8 +293,8 @@ def execute(
 
     A stop signal (``adazeta.runs.rundir.STOP_SIGNALS``: TERM, INT, HUP, USR1, USR2) ends the run ``interrupted``
     (checkpointed when it happens during training; during the final evaluation, a first signal lets the run finish
-    and be recorded: see ``adazeta.runs.rundir.PHASES``); a finished or diverged run removes its checkpoint. ``result.json`` is written in every case, atomically, with
-    the signals held back while it is written.
+    and be recorded: see ``adazeta.runs.rundir.PHASES``); a finished or diverged run removes its checkpoint.
+    ``result.json`` is written in every case, atomically, the signals held back meanwhile.
     Several processes (``d``): every rank trains; rank 0 alone writes files and wandb, and when another rank
     fails, or a signal stops it at once, rank 0 records the run with that rank's report; when rank 0's process
     ends without one (SIGKILL), the lowest surviving rank records the run in its place (``verified_checkpoint``).
@@ -304,8 +304,7 @@ def execute(
     code = git_state()  # the code that runs, read before it runs (the tree may change during a long run)
     seed_everything(s.seed)
     record = RunRecord(s.method, s.task.name, s.task.version, s.model.name, s.seed, s.experiment)
-    checkpoint = run_dir / CHECKPOINT
-    tracker = None
+    checkpoint, tracker = run_dir / CHECKPOINT, None
     saved: list[int | None] = [None]  # the step of the checkpoint in run_dir, the one the same command resumes from
     if resume is not None:
         saved[0] = record.resumed_from_step = resume["loop"]["step"]
@@ -349,10 +348,7 @@ def execute(
                 written = record.as_dict()
                 try:
                     write_result(run_dir / "result.json", written)
-                    if d.enabled and d.is_main and record.status in ("failed", "interrupted"):
-                        # Rank 0 ended with a record: a rank let go later (a hung one) must not take rank 0 for
-                        # dead without a word and write the record again in its place (heir_of_main).
-                        distributed.report_failure(f"rank 0 recorded the run as {record.status}")
+                    distributed.mark_recorded(record.status)
                 finally:
                     if tracker is not None:
                         tracker.summary({k: v for k, v in written.items()
