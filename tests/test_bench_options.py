@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import sys
 
-from adazeta.tools.bench import cli
+from adazeta.tools.bench import cli, options as options_module
 from adazeta.tools.bench.options import options
 
 
@@ -13,8 +13,14 @@ def test_options_bench_prints_every_option_and_ratio(tmp_path, monkeypatch, caps
     monkeypatch.setattr(sys, "argv", ["bench", "--options", "--weights", "random", "--model", "tiny-llama",
                                       "--compile-backend", "eager", "--repeats", "1", "--warmup", "1",
                                       "--batch-size", "2", "--eval-examples", "4", "--out", str(tmp_path)])
+    rounds = []
+    timed = options_module.timed
+    monkeypatch.setattr(options_module, "timed", lambda fns, *a: rounds.append(list(fns)) or timed(fns, *a))
     cli.main()
     out = capsys.readouterr().out
+    # One round-robin holds every option's every run, so that drifting load weighs on all options alike.
+    assert len(rounds) == 1 and {name for name, _ in rounds[0]} == set(options("eager"))
+    assert len(rounds[0]) == 4 * len(options("eager"))
     assert "amx_bf16" in out and "avx512_bf16" in out
     for name in options("eager"):
         line = next(ln for ln in out.splitlines() if ln.startswith(name + " "))

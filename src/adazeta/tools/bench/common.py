@@ -237,7 +237,7 @@ class Stats:
         return Stats.of([a / b for a, b in zip(self.samples, other.samples)])
 
 
-def timed(fns: dict[str, Callable[[], Any]], device: torch.device, repeats: int, warmup: int) -> dict[str, Stats]:
+def timed(fns: dict[Any, Callable[[], Any]], device: torch.device, repeats: int, warmup: int) -> dict[Any, Stats]:
     """Wall-clock seconds of each ``fn()``: ``warmup`` untimed rounds, then median, min and max of ``repeats``.
 
     Round-robin (each round runs every fn once), so that load from other processes, which drifts during a
@@ -247,7 +247,7 @@ def timed(fns: dict[str, Callable[[], Any]], device: torch.device, repeats: int,
         for fn in fns.values():
             fn()
     sync(device)
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[Any, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             start = time.perf_counter()

@@ -2,7 +2,7 @@
 machine the bench runs on, with AdaZeta's adapters on one SST-2 batch.
 
 Per option: the loss forward, the ZO step at Q = 1 (sequential) and Q = 4 (batched, chunk 4), evaluation
-throughput, each as a ratio to fp32 measured in the same run; the model's resident bytes (parameters and
+throughput, each as a ratio to fp32 measured in the same run, every option's runs in one round-robin; the model's resident bytes (parameters and
 buffers); the roofline (the decoder's rate in FLOP/s over its linear layers, as a share of a dense matmul's
 rate in the same dtype); and fidelity: the ZO estimate's cosine with the fp32 autograd gradient at Q = 1, 4, 16,
 and the share of projected gradients whose sign agrees with fp32's on the same directions; and the realised-update
@@ -26,7 +26,7 @@ from adazeta.optim.batched import ReplicaClosure
 from adazeta.guards import GuardConfig, UpdateProbe
 from adazeta.precision import BF16_FEATURES, Int8Linear, cpu_flags
 from adazeta.runs.results import cpu_name
-from adazeta.tools.bench.common import Report, Setup, setup_for, timed, zo_optimizer
+from adazeta.tools.bench.common import Report, Setup, Stats, setup_for, timed, zo_optimizer
 
 FIDELITY_QUERIES = (1, 4, 16)
 WORSE = 0.05  # a cosine this much below fp32's (relative) is measurably worse
@@ -73,41 +73,57 @@ def matmul_rate(tokens: int, hidden: int, dtype: torch.dtype, repeats: int) -> f
     return 2 * tokens * hidden * 4 * hidden * repeats / (time.perf_counter() - start)
 
 
-def measure_option(args: argparse.Namespace, report: Report, name: str, setup: Setup) -> dict[str, float]:
-    """Forward, ZO steps, evaluation, memory and roofline of one option; returns the medians for the ratios."""
-    scorer, device = setup.scorer, setup.device
-    batch = scorer.collate(setup.items)
-    closure = ReplicaClosure(scorer.model, functools.partial(scorer.replica_losses, batch), batch)
-    q1, q4 = zo_optimizer(args, setup, False, 1), zo_optimizer(args, setup, True, 4)
-    eval_batches = scorer.batches(setup.dev_items, args.eval_batch_size, sort=True)
-    backbone, _ = scorer.parts()
+class Measured:
+    """One option's timed runs and what reading them needs."""
 
-    def evaluate() -> None:
-        with torch.no_grad():
-            for b in eval_batches:
-                scorer.scores(b)
+    def __init__(self, args: argparse.Namespace, setup: Setup) -> None:
+        scorer = setup.scorer
+        self.setup, self.batch = setup, scorer.collate(setup.items)
+        self.closure = ReplicaClosure(scorer.model, functools.partial(scorer.replica_losses, self.batch), self.batch)
+        self.q1, q4 = zo_optimizer(args, setup, False, 1), zo_optimizer(args, setup, True, 4)
+        eval_batches = scorer.batches(setup.dev_items, args.eval_batch_size, sort=True)
 
-    runs = {
-        "forward": torch.no_grad()(lambda: float(closure())),
-        "ZO step, Q=1": lambda: float(q1.step(closure, n_queries=1)),
-        "ZO step, Q=4 batched": lambda: float(q4.step(closure, n_queries=4)),
-        "evaluation": evaluate,
-    }
+        def evaluate() -> None:
+            with torch.no_grad():
+                for b in eval_batches:
+                    scorer.scores(b)
+
+        self.runs = {
+            "forward": torch.no_grad()(lambda: float(self.closure())),
+            "ZO step, Q=1": lambda: float(self.q1.step(self.closure, n_queries=1)),
+            "ZO step, Q=4 batched": lambda: float(q4.step(self.closure, n_queries=4)),
+            "evaluation": evaluate,
+        }
+
+
+def time_options(args: argparse.Namespace, measured: dict[str, Measured]) -> dict[str, dict[str, Stats]]:
+    """Every option's runs in one round-robin (each round runs every option's every run once), so that load from
+    other processes, which drifts over a bench of several minutes, weighs on fp32 and each option alike."""
+    device = next(iter(measured.values())).setup.device
+    runs = {(name, key): fn for name, m in measured.items() for key, fn in m.runs.items()}
     stats = timed(runs, device, args.repeats, args.warmup)
+    return {name: {key: stats[name, key] for key in m.runs} for name, m in measured.items()}
+
+
+def read_option(args: argparse.Namespace, report: Report, name: str, m: Measured,
+                stats: dict[str, Stats]) -> dict[str, float]:
+    """Timings, the update guard, memory and roofline of one option; returns the medians for the ratios."""
+    setup = m.setup
     medians = {k: v.median for k, v in stats.items()}
     # The realised-update guard's reading of one more Q = 1 step: how much of the intended update the weights took.
-    probe = UpdateProbe([p for group in q1.param_groups for p in group["params"]], GuardConfig().sample)
+    probe = UpdateProbe([p for group in m.q1.param_groups for p in group["params"]], GuardConfig().sample)
     probe.before()
-    q1.step(closure, n_queries=1)
-    update = probe.after(q1.intended_update)
+    m.q1.step(m.closure, n_queries=1)
+    update = probe.after(m.q1.intended_update)
     report.add("update", "realised update: share of measured entries changed", name, update.changed, "")
     report.add("update", "realised update: cos(applied, intended)", name, update.cosine, "")
     medians["changed"], medians["update cosine"] = update.changed, update.cosine
     medians["evaluation"] = len(setup.dev_items) / medians["evaluation"]  # examples per second
     for key, st in stats.items():
         report.add("options", key, name, medians[key] if key == "evaluation" else st, "ex/s" if key == "evaluation" else "s")
-    report.add("options", "model memory", name, model_bytes(scorer.model) / 2**20, "MiB")
-    tokens = int(batch.input_ids.numel())
+    report.add("options", "model memory", name, model_bytes(setup.scorer.model) / 2**20, "MiB")
+    backbone, _ = setup.scorer.parts()
+    tokens = int(m.batch.input_ids.numel())
     hidden = setup.built.loaded.model.config.hidden_size
     dtype = setup.settings.model.torch_dtype
     decoder_rate = 2 * tokens * linear_weights(backbone) / stats["forward"].median
@@ -149,10 +165,10 @@ def measure_options(args: argparse.Namespace, report: Report) -> list[str]:
     flags = cpu_flags()
     lines = [f"CPU: {cpu_name()}; " + ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in BF16_FEATURES)
              + f"; {torch.get_num_threads()} threads"]
-    setups, medians = {}, {}
-    for name, overrides in options(args.compile_backend).items():
-        setups[name] = option_setup(args, overrides)
-        medians[name] = measure_option(args, report, name, setups[name])
+    setups = {name: option_setup(args, overrides) for name, overrides in options(args.compile_backend).items()}
+    measured = {name: Measured(args, setup) for name, setup in setups.items()}
+    stats = time_options(args, measured)
+    medians = {name: read_option(args, report, name, m, stats[name]) for name, m in measured.items()}
     cosines = measure_fidelity(args, report, setups)
     base = medians["fp32"]
     runs_timed = ("forward", "ZO step, Q=1", "ZO step, Q=4 batched", "evaluation")
