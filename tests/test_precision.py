@@ -72,3 +72,38 @@ def test_the_start_up_line_names_the_bf16_features():
     assert "amx_bf16 no, avx512_bf16 no" in slow and "emulated" in slow and "fp32 is the right choice" in slow
     fast = cpu_line("fp32", {"amx_bf16", "avx512_bf16"})
     assert "amx_bf16 yes, avx512_bf16 yes" in fast and "may be faster" in fast
+
+
+def compiled_graphs(data_dir, forwards: int) -> int:
+    """Graphs dynamo compiled for a compiled tiny-llama with TT adapters over ``forwards`` ZO-style forwards: the
+    adapters' weights change in place between forwards of one batch, as a ZO step's perturbations do."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    _, b = built_loss(data_dir, "method=adazeta", "model.compile=eager")
+    batch = b.scorer.collate(b.enc["train"][:4])
+    with torch.no_grad():
+        for _ in range(forwards):
+            for _, p in b.named:
+                p.add_(0.01)
+            b.scorer.loss(batch)
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def test_a_compiled_backbone_is_compiled_once_however_often_zo_steps_change_the_adapters(fixture_data):
+    # The TT layers' shared factor cache is host-side state: traced, it was guarded per layer and recompiled for
+    # each (dynamo's recompile limit then left most layers eager); a decoder's KV cache was guarded per layer too.
+    graphs = compiled_graphs(fixture_data, 3)
+    assert 1 <= graphs <= 2, graphs
+    assert compiled_graphs(fixture_data, 6) == graphs
+
+
+def test_a_scoring_forward_builds_no_kv_cache(fixture_data):
+    from transformers.cache_utils import Cache
+
+    _, b = built_loss(fixture_data)
+    seen = []
+    layer = b.scorer.parts()[0].layers[0]
+    layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs), with_kwargs=True)
+    with torch.no_grad():
+        b.scorer.loss(b.scorer.collate(b.enc["train"][:4]))
+    assert seen and not any(isinstance(v, Cache) for kw in seen for v in kw.values())

@@ -18,7 +18,7 @@ import torch
 
 from adazeta.errors import ConfigError
 from adazeta.scoring.evaluate import EvalResult, Predictions
-from adazeta.scoring import Encoded, Scorer
+from adazeta.scoring import Encoded, Scorer, backbone_kwargs
 from adazeta.tracking import Tracker
 from adazeta.train import Outcome
 
@@ -68,7 +68,8 @@ def prompt_features(scorer: Scorer, items: Sequence[Encoded], batch_size: int) -
             ids[r, : len(p)] = torch.tensor(p)
             attention[r, : len(p)] = 1
         at = torch.tensor([p.index(mask_id) if family.reads_mask else len(p) - 1 for p in prompts])
-        hidden = backbone(input_ids=ids.to(device), attention_mask=attention.to(device)).last_hidden_state
+        hidden = backbone(input_ids=ids.to(device), attention_mask=attention.to(device),
+                          **backbone_kwargs(family)).last_hidden_state
         picked = hidden[torch.arange(len(chunk), device=hidden.device), at.to(hidden.device)].float().cpu().numpy()
         if out.shape[1] == 0:
             out = np.zeros((len(items), picked.shape[1]), dtype=np.float32)

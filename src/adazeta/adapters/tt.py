@@ -189,8 +189,9 @@ class TTLinear(nn.Module):
     def factors(self) -> tuple[Tensor, Tensor]:
         """``(A^T, B^T)``, contiguous, with ``W = A @ B`` (``tt_factors``): the two rank-r halves as ``nn.Linear``
         weights, a layout whose skinny products run 2-3x faster on a CPU than ``x @ A``. Without autograd they come
-        from the layer's group, contracted for all its layers at once."""
-        if self._group is None or torch.is_grad_enabled():
+        from the layer's group, contracted for all its layers at once (not under ``torch.compile``: the group's cache
+        is host-side state that a compiled graph would guard on, once per layer, and recompile for)."""
+        if self._group is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
             a, b = tt_factors(list(self.cores), self.split)
             return a.t().contiguous(), b.t().contiguous()
         group, index = self._group
@@ -359,7 +360,8 @@ class TTAdapter(nn.Module):
         if _called_as_module(down) or _called_as_module(up):
             # A layer with a forward of its own (weight replicas: adazeta.optim.batched) or with hooks.
             return (x + up(self.act(down(x)))).to(h.dtype)
-        if _FOLD and not torch.is_grad_enabled() and down._group is not None and up._group is not None:
+        if (_FOLD and not torch.is_grad_enabled() and down._group is not None and up._group is not None
+                and not torch.compiler.is_compiling()):
             return self._folded_forward(x).to(h.dtype)
         # The same products without the two layers' module calls, and the residual added into the last one's
         # fresh output: the same numbers (x + y == y + x), an allocation and two calls fewer per adapter.

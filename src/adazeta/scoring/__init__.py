@@ -479,15 +479,23 @@ def block_attention_mask(batch: Batch, attention: str, dtype: torch.dtype) -> to
     return additive.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
+def backbone_kwargs(family: Family | str) -> dict[str, bool]:
+    """What a scoring forward passes the backbone besides its inputs: a decoder is told not to cache. Left to its
+    config's ``use_cache``, it keeps every layer's keys and values until the forward ends (without autograd they are
+    otherwise freed layer by layer), and a compiled decoder guards on the cache, recompiling per layer."""
+    return {} if as_family(family).reads_mask else {"use_cache": False}
+
+
 def _hidden_states(model: nn.Module, batch: Batch, family: Family) -> tuple[torch.Tensor, nn.Module]:
     backbone, head = lm_parts(model, family)
+    no_cache = backbone_kwargs(family)
     if not batch.packed:
-        out = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        out = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **no_cache)
         return out.last_hidden_state, head
     config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
     dtype = backbone.get_input_embeddings().weight.dtype
     mask = block_attention_mask(batch, config._attn_implementation, dtype)
-    out = backbone(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids)
+    out = backbone(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids, **no_cache)
     return out.last_hidden_state, head
 
 
