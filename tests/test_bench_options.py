@@ -24,13 +24,16 @@ def test_options_bench_prints_every_option_and_ratio(tmp_path, monkeypatch, caps
     assert "amx_bf16" in out and "avx512_bf16" in out
     for name in options("eager"):
         line = next(ln for ln in out.splitlines() if ln.startswith(name + " "))
-        for key in ("forward", "ZO step, Q=1", "ZO step, Q=4 batched", "evaluation", "roofline", "cos(Q=16)",
+        for key in ("forward", "ZO step, Q=1", "ZO step, Q=4 batched", "evaluation", "roofline", "faithful (Q=16)",
                     "update taken"):
             assert key in line, line
+    fp32 = next(ln for ln in out.splitlines() if ln.startswith("fp32 "))
     table = (tmp_path / "tiny-llama-random-cpu-options.md").read_text()
     assert "projected-gradient sign agreement with fp32" in table and "model memory" in table
-    assert "cosine with fp32 gradient, Q=16" in table
+    assert "cosine with fp32 gradient, Q=16" in table and "relative error against exact z.g" in table
+    # fp32's own Q = 16 estimate is the exact-derivative estimate up to finite differences, and is never flagged
+    faithful = float(re.search(r"faithful \(Q=16\) ([\d.]+)", fp32).group(1))
+    assert faithful > 0.99 and "MEASURABLY WORSE" not in fp32
     assert "realised update: share of measured entries changed" in table and "cos(applied, intended)" in table
-    fp32 = next(ln for ln in out.splitlines() if ln.startswith("fp32 "))
     taken = float(re.search(r"update taken ([\d.]+)%", fp32).group(1))
     assert taken > 99 and "UPDATES LOST" not in fp32  # fp32 adapters take (almost) every entry of an update

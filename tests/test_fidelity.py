@@ -6,7 +6,8 @@ import statistics
 
 import torch
 
-from adazeta.tools.fidelity import autograd_gradient, expected_cosine, zo_fidelity
+from adazeta.tools.fidelity import (autograd_gradient, cosine, directional_derivatives, estimate_cosine,
+                                   estimate_vector, expected_cosine, projected_gradients, zo_fidelity)
 from adazeta.scoring import Scorer
 from test_zo_health import tiny_batch, with_adapters
 
@@ -39,3 +40,22 @@ def test_zo_estimates_align_with_autograd_as_the_theory_says_and_leave_the_weigh
 def test_expected_cosine_grows_with_queries_and_shrinks_with_dimension():
     assert expected_cosine(64, 10**3) > expected_cosine(1, 10**3) > expected_cosine(1, 10**8)
     assert abs(expected_cosine(1, 179_100) - 1 / 423.2) < 1e-4
+
+
+def test_exact_directional_derivatives_are_what_central_differences_measure_on_a_quadratic():
+    torch.manual_seed(0)
+    w = [torch.randn(40, 3), torch.randn(7)]
+    a = [torch.randn(40, 3), torch.randn(7)]
+    loss = lambda: sum(((x * y).sum() ** 2 for x, y in zip(w, a)), torch.tensor(0.0))  # noqa: E731
+    for p in w:
+        p.requires_grad_(True)
+    grad = autograd_gradient(w, loss)
+    with torch.no_grad():
+        measured = projected_gradients(w, loss, 3, 8, 1e-2)  # central differences are exact on a quadratic
+    exact = directional_derivatives(w, 3, 8, grad)
+    assert all(abs(m - e) < 1e-3 * (1 + abs(e)) for m, e in zip(measured, exact))
+    # the estimate from exact derivatives is the one the measured derivatives approach, direction by direction
+    assert cosine(estimate_vector(w, measured, 3), estimate_vector(w, exact, 3)) > 0.9999
+    assert estimate_cosine(w, exact, 3, grad) == cosine(estimate_vector(w, exact, 3), grad)
+    flipped = [-exact[0], *exact[1:]]  # one direction's sign wrong: a measurably worse estimate
+    assert cosine(estimate_vector(w, flipped, 3), estimate_vector(w, exact, 3)) < 0.95

@@ -131,12 +131,31 @@ def projected_gradients(params: Sequence[torch.Tensor], loss: Loss, seed: int, n
 
 
 @torch.no_grad()
-def estimate_cosine(params: Sequence[torch.Tensor], projections: Sequence[float], seed: int,
-                    true_grad: Sequence[torch.Tensor]) -> float:
-    """cos(g_hat, g) of the estimate ``mean_q projections[q] z_q`` (the directions of ``seed``) with ``true_grad``."""
+def estimate_vector(params: Sequence[torch.Tensor], projections: Sequence[float], seed: int) -> list[torch.Tensor]:
+    """``sum_q projections[q] z_q`` over the directions of ``seed``, in float32 (the estimate up to its 1/Q)."""
     params = list(params)
     total = [torch.zeros_like(p, dtype=torch.float32) for p in params]
     for q, proj in enumerate(projections):
         torch._foreach_add_(total, [t.float() for t in directions(params, query_seed(seed, 0, q))], alpha=proj)
-    norms = math.sqrt(_dot(total, total)) * math.sqrt(_dot(true_grad, true_grad))
-    return _dot(total, true_grad) / norms if norms else float("nan")
+    return total
+
+
+def cosine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    norms = math.sqrt(_dot(a, a)) * math.sqrt(_dot(b, b))
+    return _dot(a, b) / norms if norms else float("nan")
+
+
+@torch.no_grad()
+def estimate_cosine(params: Sequence[torch.Tensor], projections: Sequence[float], seed: int,
+                    true_grad: Sequence[torch.Tensor]) -> float:
+    """cos(g_hat, g) of the estimate ``mean_q projections[q] z_q`` (the directions of ``seed``) with ``true_grad``."""
+    return cosine(estimate_vector(params, projections, seed), true_grad)
+
+
+@torch.no_grad()
+def directional_derivatives(params: Sequence[torch.Tensor], seed: int, n: int,
+                            true_grad: Sequence[torch.Tensor]) -> list[float]:
+    """``z_q . g`` for the first ``n`` directions of ``seed``: what exact finite differences would measure, so
+    the estimate built from them is the best these directions can give (``projected_gradients`` approach it)."""
+    params = list(params)
+    return [_dot([t.float() for t in directions(params, query_seed(seed, 0, q))], true_grad) for q in range(n)]
