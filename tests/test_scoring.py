@@ -243,3 +243,18 @@ def test_replica_losses_repeat_the_batch_loss(layout):
         three = replica_losses(loaded.model, batch, "causal", 3)
     assert three.shape == (3,)
     torch.testing.assert_close(three, one.expand(3), atol=1e-6, rtol=1e-6)
+
+
+def test_the_backbone_of_a_model_whose_get_decoder_returns_itself_is_its_base_model(monkeypatch):
+    """transformers 4.x's get_decoder() returns the LM itself for GPT-2 and GPT-NeoX (their decoder is not
+    `.model`); scoring then needs the base model's hidden states, not the LM's logits."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from adazeta.scoring import lm_parts
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    monkeypatch.setattr(GPT2LMHeadModel, "get_decoder", lambda self: self)
+    backbone, head = lm_parts(model, "causal")
+    assert backbone is model.transformer and head is model.lm_head
+    out = backbone(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+    assert out.last_hidden_state.shape == (1, 3, 16)

@@ -443,7 +443,10 @@ def lm_parts(model: nn.Module, family: Family | str) -> tuple[nn.Module, nn.Modu
     """(backbone, head): hidden states from the backbone, vocabulary logits from the head at chosen positions."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
     if not as_family(family).reads_mask:  # the decoder's hidden states, its output embeddings
-        return base.get_decoder(), base.get_output_embeddings()
+        decoder = base.get_decoder()
+        if decoder is base:  # transformers 4.x: a model whose decoder is not `.model` (GPT-2, GPT-NeoX) returns itself
+            decoder = base.base_model
+        return decoder, base.get_output_embeddings()
     head = getattr(base, "lm_head", None) or getattr(base, "cls", None)
     if head is None:
         raise ConfigError(f"{type(base).__name__} has no MLM head (lm_head or cls); use a *ForMaskedLM model")
