@@ -648,6 +648,24 @@ def test_a_ctrl_c_during_start_up_stops_it_even_where_a_library_swallows_it(swal
     assert not (tmp_path / "run" / "result.json").exists()
 
 
+def test_a_ctrl_c_remembered_by_an_earlier_call_does_not_stop_the_next_one(fixture_data, tmp_path, monkeypatch,
+                                                                          capsys):
+    """A caller's process that ignores SIGINT (a test runner or script started in the background): a Ctrl-C that an
+    earlier ``main()`` in it remembered is that call's, not the next one's. Before, the next calls all stopped as
+    "interrupted during start-up" without any signal."""
+    monkeypatch.setattr(cli, "_start_up_interrupted", [signal.SIGINT])  # as the swallowed Ctrl-C above leaves it
+    caller = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    monkeypatch.setattr(sys, "argv", ["adazeta-run", *overrides(fixture_data), "method=eval",
+                                      f"hydra.run.dir={tmp_path / 'run'}"])
+    try:
+        with pytest.raises(SystemExit) as stop:
+            cli.main()
+    finally:
+        signal.signal(signal.SIGINT, caller)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "method=eval needs eval.from=" in err and cli.STARTUP_INTERRUPTED not in err, err
+
+
 @pytest.mark.parametrize("stdout", ["closed-pipe", "full-device"])
 def test_a_stdout_that_is_closed_or_full_costs_at_most_one_line_and_the_run_goes_on(stdout, fixture_data, tmp_path):
     """``adazeta-run ... | head -n 1`` and ``> /dev/full``: the run finishes and is recorded, exit 0, and stderr

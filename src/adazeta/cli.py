@@ -279,8 +279,8 @@ def main() -> None:
     # By name: under `python -m adazeta.cli` the handler was installed by the module run as __main__.
     ours = previous is signal.default_int_handler or getattr(previous, "__name__", None) == \
         interrupted_while_importing.__name__
+    _start_up_interrupted.clear()  # an earlier call's Ctrl-C in this process is not this call's
     if ours and main_thread:
-        _start_up_interrupted.clear()
         signal.signal(signal.SIGINT, _interrupted_during_start_up)
     else:
         ours = False
