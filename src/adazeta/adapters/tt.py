@@ -189,13 +189,17 @@ class TTLinear(nn.Module):
     def factors(self) -> tuple[Tensor, Tensor]:
         """``(A^T, B^T)``, contiguous, with ``W = A @ B`` (``tt_factors``): the two rank-r halves as ``nn.Linear``
         weights, a layout whose skinny products run 2-3x faster on a CPU than ``x @ A``. Without autograd they come
-        from the layer's group, contracted for all its layers at once (not under ``torch.compile``: the group's cache
-        is host-side state that a compiled graph would guard on, once per layer, and recompile for)."""
-        if self._group is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        from the layer's group, contracted for all its layers at once (``grouped``)."""
+        if not self.grouped():
             a, b = tt_factors(list(self.cores), self.split)
             return a.t().contiguous(), b.t().contiguous()
         group, index = self._group
         return group.factors(index)
+
+    def grouped(self) -> bool:
+        """Whether this forward reads the layer's group: without autograd, and not under ``torch.compile`` (the
+        group's cache is host-side state that a compiled graph would guard on, once per layer, and recompile for)."""
+        return self._group is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
     def folded(self) -> tuple[Tensor, Tensor, Tensor] | None:
         """The layer's product with its bias folded in, for forwards without autograd: ``(A1, e, B1)`` with
@@ -360,8 +364,7 @@ class TTAdapter(nn.Module):
         if _called_as_module(down) or _called_as_module(up):
             # A layer with a forward of its own (weight replicas: adazeta.optim.batched) or with hooks.
             return (x + up(self.act(down(x)))).to(h.dtype)
-        if (_FOLD and not torch.is_grad_enabled() and down._group is not None and up._group is not None
-                and not torch.compiler.is_compiling()):
+        if _FOLD and down.grouped() and up.grouped():
             return self._folded_forward(x).to(h.dtype)
         # The same products without the two layers' module calls, and the residual added into the last one's
         # fresh output: the same numbers (x + y == y + x), an allocation and two calls fewer per adapter.

@@ -2,9 +2,9 @@
 machine the bench runs on, with AdaZeta's adapters on one SST-2 batch.
 
 Per option: the loss forward, the ZO step at Q = 1 (sequential) and Q = 4 (batched, chunk 4), evaluation
-throughput, each as a ratio to fp32 measured in the same run, every option's runs in one round-robin; the model's resident bytes (parameters and
-buffers); the roofline (the decoder's rate in FLOP/s over its linear layers, as a share of a dense matmul's
-rate in the same dtype); and fidelity: the ZO estimate's cosine with the fp32 autograd gradient at Q = 1, 4, 16,
+throughput, each as a ratio to fp32 measured in the same run, every option's runs in one round-robin; the model's
+resident bytes (parameters and buffers); the roofline (the decoder's rate in FLOP/s over its linear layers, as a
+share of a dense matmul's rate in the same dtype); and fidelity: the ZO estimate's cosine with the fp32 autograd gradient at Q = 1, 4, 16,
 the share of projected gradients whose sign agrees with fp32's on the same directions, their error against the
 exact directional derivatives of fp32's gradient, and the cosine of the Q = 16 estimate with the one those exact
 derivatives give (``measure_fidelity``); and the realised-update guard's reading of a Q = 1 step (the share of the
@@ -137,6 +137,11 @@ def read_option(args: argparse.Namespace, report: Report, name: str, m: Measured
     return medians
 
 
+def same_signs(a: list[float], b: list[float]) -> float:
+    """The share of places where ``a`` and ``b`` have the same sign."""
+    return sum((x > 0) == (y > 0) for x, y in zip(a, b)) / len(a)
+
+
 def measure_fidelity(args: argparse.Namespace, report: Report, setups: dict[str, Setup]) -> dict[str, float]:
     """Per option, on the same directions (seed 0, the method's eps): cos(ZO estimate, fp32 autograd gradient) at
     Q = 1, 4, 16; the sign agreement of its projected gradients with fp32's; and how far they are from the exact
@@ -163,13 +168,12 @@ def measure_fidelity(args: argparse.Namespace, report: Report, setups: dict[str,
         params = [p for _, p in setup.built.named]
         proj = ref_proj if setup is ref else projected_gradients(params, loss_of(setup), 0, n, eps)
         for q in FIDELITY_QUERIES:
-            report.add("fidelity", f"cosine with fp32 gradient, Q={q}", name, estimate_cosine(params, proj[:q], 0, grad), "")
-        agree = sum((a > 0) == (b > 0) for a, b in zip(proj, ref_proj)) / n
-        report.add("fidelity", "projected-gradient sign agreement with fp32", name, agree, "")
+            cos = estimate_cosine(params, proj[:q], 0, grad)
+            report.add("fidelity", f"cosine with fp32 gradient, Q={q}", name, cos, "")
+        report.add("fidelity", "projected-gradient sign agreement with fp32", name, same_signs(proj, ref_proj), "")
         error = math.dist(proj, exact) / math.hypot(*exact)
         report.add("fidelity", "projected gradients' relative error against exact z.g", name, error, "")
-        agree = sum((a > 0) == (b > 0) for a, b in zip(proj, exact)) / n
-        report.add("fidelity", "projected-gradient sign agreement with exact z.g", name, agree, "")
+        report.add("fidelity", "projected-gradient sign agreement with exact z.g", name, same_signs(proj, exact), "")
         faithful[name] = cosine(estimate_vector(params, proj, 0), ideal)
         report.add("fidelity", f"cosine with the exact-derivative estimate, Q={n}", name, faithful[name], "")
     return faithful
