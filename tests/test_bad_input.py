@@ -79,7 +79,9 @@ CASES = [
     (["model.dtype=fp8"], "model.dtype='fp8' is not one of fp32, bf16, fp16"),
     (["model.device=tpu"], "model.device='tpu' must be auto, cpu, cuda or cuda:N"),
     (["model.max_length=4"], "model.max_length=4 must be >= 8"),
-    (["model.quantize=int4"], "model.quantize='int4' is not null or one of int8"),
+    (["model.quantize=int4"], "model.quantize='int4' is not null or one of int8, bf16"),
+    (["method=mezo", "model.quantize=bf16"], "model.quantize=bf16 freezes the backbone's weights as bf16 copies, "
+                                             "but method 'mezo' trains them"),
     (["model.compile=fast"], "model.compile='fast' is not null or one of inductor, aot_eager, eager"),
     (["model.adapter_dtype=bf16"], "model.adapter_dtype='bf16' is not one of fp32, backbone"),
     # int8 weights are frozen copies: a method that trains the backbone's weights cannot use them

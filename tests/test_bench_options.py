@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import sys
 
+import pytest
+
 from adazeta.tools.bench import cli, options as options_module
 from adazeta.tools.bench.options import options
 
@@ -37,3 +39,21 @@ def test_options_bench_prints_every_option_and_ratio(tmp_path, monkeypatch, caps
     assert "realised update: share of measured entries changed" in table and "cos(applied, intended)" in table
     taken = float(re.search(r"update taken ([\d.]+)%", fp32).group(1))
     assert taken > 99 and "UPDATES LOST" not in fp32  # fp32 adapters take (almost) every entry of an update
+
+
+def test_only_options_measures_those_beside_fp32(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench", "--options", "--only-options", "bf16 linears", "--weights", "random",
+                                      "--model", "tiny-llama", "--repeats", "1", "--batch-size", "2",
+                                      "--eval-examples", "4", "--out", str(tmp_path)])
+    cli.main()
+    printed = [ln.split("  ")[0].strip() for ln in capsys.readouterr().out.splitlines() if "faithful (Q=16)" in ln]
+    assert [p.split(" forward")[0] for p in printed] == ["fp32", "bf16 linears"]
+
+
+def test_an_unknown_option_name_is_refused_before_anything_loads(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench", "--options", "--only-options", "bf8", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "--only-options 'bf8': no such option; the options are 'fp32', 'bf16'" in err
+    assert not list(tmp_path.iterdir())

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from adazeta.build import build, compose_settings, seed_everything
-from adazeta.precision import Int8Linear, cpu_line, quantize_frozen_
+from adazeta.precision import Bf16Linear, Int8Linear, cpu_line, quantize_frozen_
 from helpers import tiny_overrides
 
 
@@ -34,19 +35,39 @@ def test_int8_linear_is_close_to_the_dense_layer_and_passes_gradients_to_its_inp
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
-def test_quantize_keeps_trainable_linears():
+def test_bf16_linear_multiplies_in_bf16_and_returns_the_inputs_dtype():
+    torch.manual_seed(0)
+    dense = nn.Linear(48, 32)
+    q = Bf16Linear(dense)
+    x = torch.randn(3, 5, 48, requires_grad=True)
+    y = q(x)
+    assert y.dtype == torch.float32 and q.bweight.dtype == torch.bfloat16 and not list(q.parameters())
+    # exactly the bf16 product of the rounded input, cast back: the rounding is the input's and the output's alone
+    expected = F.linear(x.detach().bfloat16(), dense.weight.detach().bfloat16(), dense.bias.detach().bfloat16())
+    assert torch.equal(y.detach(), expected.float())
+    ref = dense(x)
+    assert 0 < ((y - ref).norm() / ref.norm()) < 0.02
+    y.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind, cls", [("int8", Int8Linear), ("bf16", Bf16Linear)])
+def test_quantize_keeps_trainable_linears(kind, cls):
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     model[0].requires_grad_(False)
-    assert quantize_frozen_(model) == 1
-    assert isinstance(model[0], Int8Linear) and type(model[1]) is nn.Linear
+    assert quantize_frozen_(model, kind) == 1
+    assert isinstance(model[0], cls) and type(model[1]) is nn.Linear
 
 
+@pytest.mark.parametrize("kind, cls", [("int8", Int8Linear), ("bf16", Bf16Linear)])
 @pytest.mark.parametrize("method", ["adazeta", "mezo_lora", "tt_adapter"])
-def test_int8_backbone_keeps_the_trainable_set_and_nearly_the_loss(fixture_data, method):
+def test_quantized_backbone_keeps_the_trainable_set_and_nearly_the_loss(fixture_data, method, kind, cls):
     plain, b0 = built_loss(fixture_data, f"method={method}")
-    quantized, b = built_loss(fixture_data, f"method={method}", "model.quantize=int8")
-    assert any(isinstance(m, Int8Linear) for m in b.model.modules())
+    quantized, b = built_loss(fixture_data, f"method={method}", f"model.quantize={kind}")
+    assert any(isinstance(m, cls) for m in b.model.modules())
+    assert not any(type(m) is nn.Linear and not m.weight.requires_grad for m in b.model.modules())
     assert [n for n, _ in b.named] == [n for n, _ in b0.named]
+    assert all(p.dtype == torch.float32 for _, p in b.named)
     assert quantized != plain and abs(quantized - plain) < 0.05
 
 

@@ -49,7 +49,8 @@ class ModelConfig:
     adapter_dtype: str = "fp32"
     # torch.compile backend for the backbone (with its adapters): inductor, aot_eager or eager; None: not compiled
     compile: str | None = None
-    # int8: the frozen backbone's linear layers as int8 weights with a scale per row (adapter methods only)
+    # The frozen backbone's linear layers (adapter methods only): int8, int8 weights with a scale per row;
+    # bf16, bf16 weights multiplied in bf16 on activations that stay in model.dtype between them
     quantize: str | None = None
     device: str = "auto"  # auto picks CUDA when present, else CPU
     # Spread the model over the visible GPUs (accelerate's dispatch: auto, balanced, balanced_low_0, sequential;

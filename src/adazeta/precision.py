@@ -28,7 +28,7 @@ from adazeta.errors import ConfigError
 
 ADAPTER_DTYPES = ("fp32", "backbone")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "bf16")
 BF16_FEATURES = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs with fast bf16 matrix products
 
 
@@ -62,7 +62,8 @@ def cpu_line(dtype: str, flags: set[str] | None = None) -> str:
 def check(model_cfg: Any, trains_backbone: bool, method: str) -> None:
     """Refuse, in one line and before anything loads, an option that cannot apply to this method or platform."""
     if model_cfg.quantize and trains_backbone:
-        raise ConfigError(f"model.quantize={model_cfg.quantize} freezes the backbone's weights as int8 copies, but "
+        raise ConfigError(f"model.quantize={model_cfg.quantize} freezes the backbone's weights as "
+                          f"{model_cfg.quantize} copies, but "
                           f"method {method!r} trains them; use an adapter method (adazeta, mezo_lora, ...) or "
                           "model.quantize=null")
     if model_cfg.compile:
@@ -119,15 +120,48 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def quantize_frozen_(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` whose weight is frozen with an :class:`Int8Linear`; returns how many.
+class Bf16Linear(nn.Module):
+    """A frozen linear layer with bf16 weights whose product runs in bf16 on activations of any dtype.
+
+    The input is rounded to bf16 for the product alone and the output returned in the input's dtype, so that on
+    an fp32 backbone everything between the linear layers (the residual stream, the norms, attention's softmax and
+    the adapters) stays fp32: half the frozen weights' memory, the products at the bf16 rate of a CPU with AMX or
+    AVX512-BF16 (or a GPU), and, unlike ``model.dtype=bf16``, no rounding of the residual stream, where a ZO
+    perturbation's small change to the activations would otherwise fall below bf16's resolution. Gradients reach
+    the input (adapters before it train by backpropagation too). The weights are buffers: nothing trains them.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("bweight", linear.weight.detach().to(torch.bfloat16))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(torch.bfloat16))
+
+    @property
+    def weight(self) -> Tensor:
+        """The bf16 weight (model code reads ``layer.weight``, e.g. its device)."""
+        return self.bweight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x.to(torch.bfloat16), self.bweight, self.bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bf16"
+
+
+QUANTIZED = {"int8": Int8Linear, "bf16": Bf16Linear}
+
+
+def quantize_frozen_(model: nn.Module, kind: str = "int8") -> int:
+    """Replace every ``nn.Linear`` whose weight is frozen with its ``kind`` copy (:data:`QUANTIZED`); returns how
+    many.
 
     Trainable linears (a LoRA matrix, a bottleneck adapter, a trained head) keep their weights.
     """
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear and not child.weight.requires_grad]
     for parent, name, child in targets:
-        setattr(parent, name, Int8Linear(child))
+        setattr(parent, name, QUANTIZED[kind](child))
     return len(targets)
 
 
@@ -151,7 +185,7 @@ def apply_(model: nn.Module, model_cfg: Any, backbone: nn.Module) -> dict[str, A
     """
     done: dict[str, Any] = {}
     if model_cfg.quantize:
-        done["quantized_linears"] = quantize_frozen_(model)
+        done["quantized_linears"] = quantize_frozen_(model, model_cfg.quantize)
     dtype = model_cfg.torch_dtype
     if model_cfg.adapter_dtype == "backbone" and dtype != torch.float32:
         device = next(backbone.parameters()).device.type

@@ -24,7 +24,7 @@ from adazeta.tools.bench.forwards import measure_forwards
 from adazeta.tools.bench.memory import measure_memory, memory_phase
 from adazeta.tools.bench.methods import measure_methods
 from adazeta.precision import COMPILE_BACKENDS
-from adazeta.tools.bench.options import measure_options
+from adazeta.tools.bench.options import measure_options, unknown_options
 from adazeta.tools.bench.output import COLUMNS, markdown, verdicts
 from adazeta.tools.bench.scaling import measure_scaling
 from adazeta.tools.bench.steps import measure_first_order, measure_zo_steps
@@ -77,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--query-memory", type=float, default=0.05, help="query_chunk=auto's memory budget")
     parser.add_argument("--options", action="store_true",
                         help="the backbone's speed options side by side (bf16, fp16, adapters in the backbone's "
-                             "dtype, int8 weights, compile): times as ratios to fp32, roofline, memory, fidelity")
+                             "dtype, bf16 or int8 linears, compile): times as ratios to fp32, roofline, memory, fidelity")
+    parser.add_argument("--only-options", nargs="+", metavar="NAME",
+                        help="with --options: these options alone, by the names it prints (fp32, the reference of "
+                             "every ratio, is always measured)")
     parser.add_argument("--compile-backend", choices=COMPILE_BACKENDS, default="inductor",
                         help="the torch.compile backend --options measures")
     parser.add_argument("--only-memory", action="store_true", help="the memory phases alone (no timings)")
@@ -99,7 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
+    if problem := unknown_options(args):
+        parser.error(problem)
     use_shared()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -28,7 +28,7 @@ from adazeta.tools.fidelity import (autograd_gradient, cosine, directional_deriv
                                    estimate_vector, projected_gradients)
 from adazeta.optim.batched import ReplicaClosure
 from adazeta.guards import GuardConfig, UpdateProbe
-from adazeta.precision import BF16_FEATURES, Int8Linear, cpu_flags
+from adazeta.precision import BF16_FEATURES, QUANTIZED, cpu_flags
 from adazeta.runs.results import cpu_name
 from adazeta.tools.bench.common import Report, Setup, Stats, setup_for, timed, zo_optimizer
 
@@ -43,9 +43,22 @@ def options(compile_backend: str) -> dict[str, list[str]]:
         "bf16": ["model.dtype=bf16"],
         "bf16, adapters bf16": ["model.dtype=bf16", "model.adapter_dtype=backbone"],
         "fp16": ["model.dtype=fp16"],
+        "bf16 linears": ["model.quantize=bf16"],
         "int8 weights": ["model.quantize=int8"],
         f"compile ({compile_backend})": [f"model.compile={compile_backend}"],
     }
+
+
+def unknown_options(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--only-options``, in one line, or None."""
+    names = options(args.compile_backend)
+    unknown = [n for n in args.only_options or () if n not in names]
+    if unknown:
+        return (f"--only-options {', '.join(map(repr, unknown))}: no such option; the options are "
+                + ", ".join(map(repr, names)))
+    if args.only_options and not args.options:
+        return "--only-options chooses among --options' options: add --options"
+    return None
 
 
 def option_setup(args: argparse.Namespace, overrides: list[str]) -> Setup:
@@ -62,9 +75,9 @@ def model_bytes(model: torch.nn.Module) -> int:
 
 
 def linear_weights(module: torch.nn.Module) -> int:
-    """Multiply-adds per token of ``module``'s linear layers (dense and int8)."""
+    """Multiply-adds per token of ``module``'s linear layers (dense, int8 and bf16)."""
     return sum(m.in_features * m.out_features for m in module.modules()
-               if isinstance(m, (torch.nn.Linear, Int8Linear)))
+               if isinstance(m, (torch.nn.Linear, *QUANTIZED.values())))
 
 
 def matmul_rate(tokens: int, hidden: int, dtype: torch.dtype, repeats: int) -> float:
@@ -129,7 +142,8 @@ def read_option(args: argparse.Namespace, report: Report, name: str, m: Measured
     backbone, _ = setup.scorer.parts()
     tokens = int(m.batch.input_ids.numel())
     hidden = setup.built.loaded.model.config.hidden_size
-    dtype = setup.settings.model.torch_dtype
+    # the products' dtype: bf16 linears multiply in bf16 whatever the backbone's dtype
+    dtype = torch.bfloat16 if setup.settings.model.quantize == "bf16" else setup.settings.model.torch_dtype
     decoder_rate = 2 * tokens * linear_weights(backbone) / stats["forward"].median
     share = decoder_rate / matmul_rate(tokens, hidden, dtype, max(args.repeats, 3))
     report.add("options", "decoder rate / dense matmul rate", name, share, "x")
@@ -184,7 +198,9 @@ def measure_options(args: argparse.Namespace, report: Report) -> list[str]:
     flags = cpu_flags()
     lines = [f"CPU: {cpu_name()}; " + ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in BF16_FEATURES)
              + f"; {torch.get_num_threads()} threads"]
-    setups = {name: option_setup(args, overrides) for name, overrides in options(args.compile_backend).items()}
+    chosen = {name: o for name, o in options(args.compile_backend).items()
+              if name == "fp32" or not args.only_options or name in args.only_options}
+    setups = {name: option_setup(args, overrides) for name, overrides in chosen.items()}
     measured = {name: Measured(args, setup) for name, setup in setups.items()}
     stats = time_options(args, measured)
     medians = {name: read_option(args, report, name, m, stats[name]) for name, m in measured.items()}
