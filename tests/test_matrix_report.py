@@ -127,3 +127,6 @@ def test_an_arm_whose_lr_grid_is_still_running_has_no_cell_yet(tmp_path):
     assert rows["mezo_lora"].split("|")[2].strip().startswith(f"{100 * record['test_accuracy']:.1f} [")  # chosen rate
     waiting = next(line for line in text.splitlines() if line.startswith("Learning-rate grids still running"))
     assert "adazeta: 3 of 6 grid runs ended" in waiting and "mezo_lora" not in waiting
+    # What the study has spent counts every ended run, the waiting arm's grid runs too (6 + 3 = 9 runs of an hour)
+    assert "- 9 runs ended (0 diverged), 9.0 core-hours by their wall times." in text
+    assert "- CPUs: Test CPU" in text and "9 runs" in text
