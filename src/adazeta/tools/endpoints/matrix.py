@@ -220,7 +220,8 @@ def _status(name: str, design, results: pd.DataFrame, runs: Path, tasks: list[st
         cpus[label] = cpus.get(label, 0) + 1
     diverged = int((ended["status"] == "diverged").sum()) if len(ended) else 0
     lines.append(f"- {len(ended)} runs ended ({diverged} diverged), {hours:.1f} core-hours by their wall times.")
-    lines.append("- CPUs: " + ("; ".join(f"{label}: {n} runs" for label, n in sorted(cpus.items())) or "none yet")
+    counts = [f"{label}: {n} run{'' if n == 1 else 's'}" for label, n in sorted(cpus.items())]
+    lines.append("- CPUs: " + ("; ".join(counts) or "none yet")
                  + (" (the table mixes CPUs)" if len(cpus) > 1 else ""))
     if design.budget is not None:
         lines += ["", "| task | ZO budget (forwards) | by the pilot rule |", "|---|---|---|"]
