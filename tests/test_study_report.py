@@ -17,12 +17,12 @@ NAME = "cpu_zo_adaptive_lr"
 
 
 def write(arm: str, lr: float, seed: int, correct: np.ndarray, dev: float, losses: list[float],
-          status: str = "finished", steps_per_eval: int = 100) -> None:
-    run = Job(arm, lr, seed, NAME, []).run_dir
+          status: str = "finished", steps_per_eval: int = 100, step_time: float = 0.5, name: str = NAME) -> None:
+    run = Job(arm, lr, seed, name, []).run_dir
     (run / "predictions").mkdir(parents=True)
     steps = [i * steps_per_eval for i in range(len(losses))]
     (run / "metrics.csv").write_text("step,forward_passes,step_time_s\n" + "".join(
-        f"{s},{2 * s},0.5\n" for s in range(1, steps[-1] + 1)))
+        f"{s},{2 * s},{step_time}\n" for s in range(1, steps[-1] + 1)))
     (run / "eval.csv").write_text("step,split,loss,accuracy,tied\n" + "".join(
         f"{s},dev,{loss},{dev},0.0\n" for s, loss in zip(steps, losses)))
     (run / "predictions" / "test.csv").write_text("index,row,gold,pred,correct\n" + "".join(
@@ -80,6 +80,33 @@ def test_an_interim_verdict_says_which_seeds_are_missing_and_a_bad_test_is_one_l
     monkeypatch.setattr(declared, "load_experiment", lambda name: (config, design))
     with pytest.raises(ConfigError, match="endpoint 'X' has test 'speed'; known: difference, chosen_lr, stability"):
         study_report.report(NAME, runs / "out")
+
+
+def test_time_to_target_compares_training_time_to_a_fixed_drop_per_seed(runs):
+    """cpu_bf16_speed's S1: each run's time to lower its own first dev loss by 80 % of the reference's drop."""
+    name = "cpu_bf16_speed"
+    fp32 = [0.80, 0.70, 0.62, 0.60, 0.58]  # drop 0.22: the target is 0.176 below each run's own first loss
+    for seed in range(3):
+        write("ada_fp32", 3e-4, seed, correct(0.74, seed), 0.72, fp32, step_time=1.0, name=name)
+        # bf16 starts from its own (rounded) loss and needs one more evaluation, at half the step time: faster
+        write("ada_bf16", 3e-4, seed, correct(0.74, 20 + seed), 0.72, [0.81, 0.72, 0.66, 0.63, 0.62],
+              step_time=0.5, name=name)
+    text = study_report.report(name, runs / "out").read_text()
+    s1 = next(line for line in text.splitlines() if line.startswith("- S1"))
+    assert "**unresolved** (runs missing)" not in s1 and "(interim: `ml_bf16` 0 of 3 seeds, `ml_fp32` 0 of 3" in s1
+    assert "faster at 3 of 3 seed pairs (exact one-sided sign test p = 0.125)" in s1 and "per pair 0.75, 0.75, 0.75" in s1
+    # fp32 reaches 0.624 (0.80 - 0.176) at step 200 (200 s, 400 forwards); bf16 its 0.634 at step 300 (150 s)
+    row = next(line for line in text.splitlines() if line.startswith("| ada_bf16 | ada_fp32 | 0 |"))
+    assert row == "| ada_bf16 | ada_fp32 | 0 | 0.1760 | 150 (600) | 200 (400) | 0.75 |", row
+    for seed in range(3):  # MeZO-LoRA in bf16 never gets there: slower at every seed of that pair
+        write("ml_fp32", 1e-3, seed, correct(0.74, 30 + seed), 0.72, fp32, step_time=1.0, name=name)
+        write("ml_bf16", 1e-3, seed, correct(0.60, 40 + seed), 0.60, [0.80, 0.79, 0.78, 0.77, 0.76],
+              step_time=0.5, name=name)
+    text = study_report.report(name, runs / "out").read_text()
+    s1 = next(line for line in text.splitlines() if line.startswith("- S1"))
+    assert "**unresolved**: faster at 3 of 6 seed pairs (sign test: not every pair faster)" in s1 and "inf" in s1
+    a2 = next(line for line in text.splitlines() if line.startswith("- A2"))
+    assert a2.startswith("- A2, `ml_bf16` within 3 points of `ml_fp32`: **refuted**")
 
 
 def test_one_report_reads_every_committed_studys_endpoints_by_their_form():

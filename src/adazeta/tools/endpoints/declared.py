@@ -22,6 +22,13 @@ The config's ``endpoints:`` says ``kind: declared`` and lists its predictions, e
       constant: tt_q1             #   drift_ratio; an adaptive arm against the constant one (Fisher), and the
       adaptive: [a, b]            #   constant arm cut at each adaptive run's step count (equal steps)
       drift_ratio: 1.2
+    - id: P4
+      test: time_to_target        # training wall time to a fixed dev-loss drop, arm against reference, per seed:
+      pairs: [[a, a_ref], [b, b_ref]]   # the reference run's drop D = share x (its first dev loss - its lowest);
+      share: 0.8                  #   each run's time to lower its own dev loss by D below its own first one
+                                  #   (its training steps' time, evaluations not counted); r = t_arm / t_ref.
+                                  #   confirmed: r < 1 at every seed of every pair (exact one-sided sign test
+                                  #   beside); refuted: r < 1 at fewer than half; unresolved otherwise.
 
 Each verdict is confirmed / refuted / unresolved, with "(interim: ...)" while seeds are still to run. Arms with an
 lr grid are read at the rate the driver chose on dev (never on test).
@@ -44,7 +51,7 @@ from adazeta.tools.endpoints.runs import (
 from adazeta.tools.experiment import UNDECIDED, Job, chosen_lr
 from adazeta.tools.experiment import load as load_experiment
 
-TESTS = ("difference", "chosen_lr", "stability")
+TESTS = ("difference", "chosen_lr", "stability", "time_to_target")
 
 
 def arm_runs(name: str, design: Any, arm: str) -> tuple[float | None | object, dict[int, Run]]:
@@ -118,6 +125,52 @@ def chosen(name: str, design: Any, end: dict) -> list[str]:
     return out
 
 
+def time_to(run: Run, drop: float) -> tuple[float, float]:
+    """(training seconds, forwards) at the first dev evaluation where ``run``'s dev loss is ``drop`` or more below
+    its first one; (inf, inf) where it never is."""
+    start = run.curve[0].loss if run.curve else math.nan
+    for p in run.curve:
+        if p.loss <= start - drop + 1e-9:  # the reference reaches its own target exactly: float rounding
+            return p.wall_s, p.forwards
+    return math.inf, math.inf
+
+
+def time_to_target(name: str, design: Any, end: dict, plan: dict[str, int]) -> tuple[list[str], list[str]]:
+    """Per seed of each (arm, reference) pair: the wall-time ratio to the reference's fixed dev-loss drop."""
+    share = float(end.get("share", 0.8))
+    lines = ["| arm | reference | seed | drop D | arm: s (forwards) | reference: s (forwards) | r = time ratio |",
+             "|---|---|---:|---:|---|---|---:|"]
+    ratios: list[float] = []
+    arms_of_verdict: list[str] = []
+    runs_of: dict[str, dict[int, Run]] = {}
+    for arm, ref in end["pairs"]:
+        mine, base = arm_runs(name, design, arm)[1], arm_runs(name, design, ref)[1]
+        runs_of[arm], runs_of[ref] = mine, base
+        arms_of_verdict += [arm, ref]
+        for seed in sorted(set(mine) & set(base)):
+            losses = [p.loss for p in base[seed].curve]
+            drop = share * (losses[0] - min(losses))
+            (t_a, f_a), (t_r, f_r) = time_to(mine[seed], drop), time_to(base[seed], drop)
+            r = t_a / t_r if t_r > 0 else math.nan
+            ratios.append(r)
+            lines.append(f"| {arm} | {ref} | {seed} | {drop:.4f} | {t_a:.0f} ({f_a:g}) | {t_r:.0f} ({f_r:g}) | "
+                         f"{r:.2f} |")
+    faster = sum(r < 1 for r in ratios)
+    label = f"- {end['id']}, time to {share:g} of the reference's dev-loss drop, " + ", ".join(
+        f"`{a}` against `{r}`" for a, r in end["pairs"])
+    if not ratios:
+        return [f"{label}: **{UNRESOLVED}** (runs missing)"], lines
+    verdict = CONFIRMED if faster == len(ratios) else REFUTED if 2 * faster < len(ratios) else UNRESOLVED
+    finite = [r for r in ratios if math.isfinite(r) and r > 0]
+    geo = math.exp(sum(map(math.log, finite)) / len(finite)) if finite and len(finite) == len(ratios) else math.nan
+    p = 0.5 ** faster if faster == len(ratios) else math.nan
+    sign = f"exact one-sided sign test {p_is(p)}" if faster == len(ratios) else "sign test: not every pair faster"
+    verdict += interim(runs_of, arms_of_verdict, plan)
+    return [f"{label}: **{verdict}**: faster at {faster} of {len(ratios)} seed pairs ({sign}); time ratio "
+            f"{'—' if math.isnan(geo) else f'{geo:.2f}'} (geometric mean), per pair "
+            f"{', '.join(f'{r:.2f}' for r in ratios)}"], lines
+
+
 def report(name: str, out: Path) -> Path:
     config, design = load_experiment(name)
     ends = config.get("endpoints") or {}
@@ -135,6 +188,10 @@ def report(name: str, out: Path) -> Path:
             verdicts += difference(name, design, end, n_boot, plan)
         elif test == "chosen_lr":
             verdicts += chosen(name, design, end)
+        elif test == "time_to_target":
+            v, lines = time_to_target(name, design, end, plan)
+            verdicts += v
+            details += ["", f"{end['id']}: time to the target, per seed", "", *lines]
         else:
             runs = {arm: arm_runs(name, design, arm)[1] for arm in [end["constant"], *end["adaptive"]]}
             v, lines = stability(runs, end, alpha, plan)
