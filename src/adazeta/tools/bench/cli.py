@@ -24,7 +24,7 @@ from adazeta.tools.bench.forwards import measure_forwards
 from adazeta.tools.bench.memory import measure_memory, memory_phase
 from adazeta.tools.bench.methods import measure_methods
 from adazeta.precision import COMPILE_BACKENDS
-from adazeta.tools.bench.options import measure_options, unknown_options
+from adazeta.tools.bench.options import FIDELITY_METHODS, measure_options, unknown_options
 from adazeta.tools.bench.output import COLUMNS, markdown, verdicts
 from adazeta.tools.bench.scaling import measure_scaling
 from adazeta.tools.bench.steps import measure_first_order, measure_zo_steps
@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--only-options", nargs="+", metavar="NAME",
                         help="with --options: these options alone, by the names it prints (fp32, the reference of "
                              "every ratio, is always measured)")
+    parser.add_argument("--fidelity-methods", nargs="+", choices=FIDELITY_METHODS, default=["adazeta", "mezo_lora"],
+                        help="with --options: the adapter methods whose ZO estimate fidelity measures, each on its "
+                             "own adapters (timings are AdaZeta's)")
     parser.add_argument("--compile-backend", choices=COMPILE_BACKENDS, default="inductor",
                         help="the torch.compile backend --options measures")
     parser.add_argument("--only-memory", action="store_true", help="the memory phases alone (no timings)")

@@ -4,13 +4,15 @@ machine the bench runs on, with AdaZeta's adapters on one SST-2 batch.
 Per option: the loss forward, the ZO step at Q = 1 (sequential) and Q = 4 (batched, chunk 4), evaluation
 throughput, each as a ratio to fp32 measured in the same run, every option's runs in one round-robin; the model's
 resident bytes (parameters and buffers); the roofline (the decoder's rate in FLOP/s over its linear layers, as a
-share of a dense matmul's rate in the same dtype); and fidelity: the ZO estimate's cosine with the fp32 autograd gradient at Q = 1, 4, 16,
-the share of projected gradients whose sign agrees with fp32's on the same directions, their error against the
-exact directional derivatives of fp32's gradient, and the cosine of the Q = 16 estimate with the one those exact
+share of a dense matmul's rate in the same dtype); and fidelity, per method of ``--fidelity-methods`` on its own
+adapters (AdaZeta's TT adapters and MeZO-LoRA's by default: at B = 0 a +-eps pair's loss difference is small, so
+rounding weighs most there): the ZO estimate's cosine with the fp32 autograd gradient at Q = 1, 4, 16, the share
+of projected gradients whose sign agrees with fp32's on the same directions, their error against the exact
+directional derivatives of fp32's gradient, and the cosine of the Q = 16 estimate with the one those exact
 derivatives give (``measure_fidelity``); and the realised-update guard's reading of a Q = 1 step (the share of the
 trainable entries the update changed, cos(applied, intended)). An option whose Q = 16 estimate is more than 5 %
-less faithful than fp32's by that last cosine is flagged as measurably worse, one whose weights took less than
-half of an update as losing updates to rounding.
+less faithful than fp32's by that last cosine, for any of the methods, is flagged as measurably worse, one whose
+weights took less than half of an update as losing updates to rounding.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from adazeta.runs.results import cpu_name
 from adazeta.tools.bench.common import Report, Setup, Stats, setup_for, timed, zo_optimizer
 
 FIDELITY_QUERIES = (1, 4, 16)
+# Methods whose estimate fidelity measures, on their own adapters: AdaZeta's TT adapters from the identity, and
+# MeZO-LoRA's, whose B = 0 start leaves a +-eps pair's loss difference small, where rounding weighs most.
+FIDELITY_METHODS = ("adazeta", "mezo_lora", "mezo_adapter")
 WORSE = 0.05  # a cosine this much below fp32's (relative) is measurably worse
 
 
@@ -61,11 +66,12 @@ def unknown_options(args: argparse.Namespace) -> str | None:
     return None
 
 
-def option_setup(args: argparse.Namespace, overrides: list[str]) -> Setup:
-    """AdaZeta on the bench batch with ``overrides`` (``model.dtype`` among them replaces ``--dtype``)."""
+def option_setup(args: argparse.Namespace, overrides: list[str], method: str = "adazeta") -> Setup:
+    """``method`` (AdaZeta unless said) on the bench batch with ``overrides`` (``model.dtype`` among them replaces
+    ``--dtype``)."""
     dtype = next((o.split("=")[1] for o in overrides if o.startswith("model.dtype=")), args.dtype)
     rest = [o for o in overrides if not o.startswith("model.dtype=")]
-    return setup_for(argparse.Namespace(**{**vars(args), "dtype": dtype}), "adazeta", extra=rest)
+    return setup_for(argparse.Namespace(**{**vars(args), "dtype": dtype}), method, extra=rest)
 
 
 def model_bytes(model: torch.nn.Module) -> int:
@@ -156,7 +162,8 @@ def same_signs(a: list[float], b: list[float]) -> float:
     return sum((x > 0) == (y > 0) for x, y in zip(a, b)) / len(a)
 
 
-def measure_fidelity(args: argparse.Namespace, report: Report, setups: dict[str, Setup]) -> dict[str, float]:
+def measure_fidelity(args: argparse.Namespace, report: Report, setups: dict[str, Setup],
+                     method: str = "adazeta") -> dict[str, float]:
     """Per option, on the same directions (seed 0, the method's eps): cos(ZO estimate, fp32 autograd gradient) at
     Q = 1, 4, 16; the sign agreement of its projected gradients with fp32's; and how far they are from the exact
     directional derivatives z . g of fp32's gradient: their relative error, their sign agreement, and the cosine
@@ -164,6 +171,7 @@ def measure_fidelity(args: argparse.Namespace, report: Report, setups: dict[str,
     cosine with the gradient itself is about sqrt(Q / d), 0.01 at Q = 16 for AdaZeta's 179 k weights, where one
     of 16 projected gradients near zero changing sign moves it by more than 5 %: it says how good a Q-query
     estimate is, not whether an option spoils it."""
+    tag = f" [{method}]"
     ref = setups["fp32"]
     eps = ref.settings.optimizer.config.eps
     n = max(FIDELITY_QUERIES)
@@ -183,13 +191,13 @@ def measure_fidelity(args: argparse.Namespace, report: Report, setups: dict[str,
         proj = ref_proj if setup is ref else projected_gradients(params, loss_of(setup), 0, n, eps)
         for q in FIDELITY_QUERIES:
             cos = estimate_cosine(params, proj[:q], 0, grad)
-            report.add("fidelity", f"cosine with fp32 gradient, Q={q}", name, cos, "")
-        report.add("fidelity", "projected-gradient sign agreement with fp32", name, same_signs(proj, ref_proj), "")
+            report.add("fidelity", f"cosine with fp32 gradient, Q={q}{tag}", name, cos, "")
+        report.add("fidelity", f"projected-gradient sign agreement with fp32{tag}", name, same_signs(proj, ref_proj), "")
         error = math.dist(proj, exact) / math.hypot(*exact)
-        report.add("fidelity", "projected gradients' relative error against exact z.g", name, error, "")
-        report.add("fidelity", "projected-gradient sign agreement with exact z.g", name, same_signs(proj, exact), "")
+        report.add("fidelity", f"projected gradients' relative error against exact z.g{tag}", name, error, "")
+        report.add("fidelity", f"projected-gradient sign agreement with exact z.g{tag}", name, same_signs(proj, exact), "")
         faithful[name] = cosine(estimate_vector(params, proj, 0), ideal)
-        report.add("fidelity", f"cosine with the exact-derivative estimate, Q={n}", name, faithful[name], "")
+        report.add("fidelity", f"cosine with the exact-derivative estimate, Q={n}{tag}", name, faithful[name], "")
     return faithful
 
 
@@ -204,17 +212,20 @@ def measure_options(args: argparse.Namespace, report: Report) -> list[str]:
     measured = {name: Measured(args, setup) for name, setup in setups.items()}
     stats = time_options(args, measured)
     medians = {name: read_option(args, report, name, m, stats[name]) for name, m in measured.items()}
-    faithful = measure_fidelity(args, report, setups)
+    faithful = {method: measure_fidelity(args, report, setups if method == "adazeta" else
+                                         {name: option_setup(args, o, method) for name, o in chosen.items()}, method)
+                for method in args.fidelity_methods}
     base = medians["fp32"]
     runs_timed = ("forward", "ZO step, Q=1", "ZO step, Q=4 batched", "evaluation")
     for name, m in medians.items():
         speed = {k: (base[k] / m[k] if k != "evaluation" else m[k] / base[k]) for k in base if k in runs_timed}
         for key, ratio in speed.items():
             report.add("options", f"{key}: speed-up over fp32", name, ratio, "x")
-        worse = faithful[name] < (1 - WORSE) * faithful["fp32"]
+        worse = [method for method, f in faithful.items() if f[name] < (1 - WORSE) * f["fp32"]]
         lines.append(f"{name:<22} " + "  ".join(f"{k} {v:.2f}x" for k, v in speed.items())
-                     + f"  roofline {m['roofline']:.2f}  faithful (Q=16) {faithful[name]:.3f}"
+                     + f"  roofline {m['roofline']:.2f}  faithful (Q=16) "
+                     + ", ".join(f"{f[name]:.3f} {method}" for method, f in faithful.items())
                      + f"  update taken {m['changed']:.1%} (cos {m['update cosine']:.3f})"
-                     + ("  MEASURABLY WORSE estimate than fp32" if worse else "")
+                     + (f"  MEASURABLY WORSE estimate than fp32 ({', '.join(worse)})" if worse else "")
                      + ("  UPDATES LOST to rounding" if m["changed"] < 0.5 else ""))
     return lines
