@@ -6,6 +6,7 @@ import re
 import sys
 
 import pytest
+import torch
 
 from adazeta.tools.bench import cli, options as options_module
 from adazeta.tools.bench.options import options
@@ -18,7 +19,20 @@ def test_options_bench_prints_every_option_and_ratio(tmp_path, monkeypatch, caps
     rounds = []
     timed = options_module.timed
     monkeypatch.setattr(options_module, "timed", lambda fns, *a: rounds.append(list(fns)) or timed(fns, *a))
+    fidelity = options_module.measure_fidelity
+    states = []
+
+    def at_the_shared_start(args, report, setups, method="adazeta"):
+        """Every option's adapters are at the same (initial) point when fidelity compares them: no timed ZO step
+        has moved any of them yet."""
+        ref = [p.detach().clone() for _, p in setups["fp32"].built.named]
+        states.append([name for name, s in setups.items()
+                       if not all(torch.equal(a, b.detach()) for a, (_, b) in zip(ref, s.built.named))])
+        return fidelity(args, report, setups, method)
+
+    monkeypatch.setattr(options_module, "measure_fidelity", at_the_shared_start)
     cli.main()
+    assert states == [[], []], states  # AdaZeta's adapters, then MeZO-LoRA's
     out = capsys.readouterr().out
     # One round-robin holds every option's every run, so that drifting load weighs on all options alike.
     assert len(rounds) == 1 and {name for name, _ in rounds[0]} == set(options("eager"))

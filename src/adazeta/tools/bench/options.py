@@ -162,6 +162,17 @@ def same_signs(a: list[float], b: list[float]) -> float:
     return sum((x > 0) == (y > 0) for x, y in zip(a, b)) / len(a)
 
 
+def same_start(setups: dict[str, Setup]) -> dict[str, Setup]:
+    """``setups`` with every option's trainable weights set to fp32's: a fidelity comparison needs one point. (peft
+    makes LoRA's weights in the backbone's dtype, so on a bf16 or fp16 backbone they start rounded.)"""
+    ref = [p for _, p in setups["fp32"].built.named]
+    with torch.no_grad():
+        for setup in setups.values():
+            for mine, theirs in zip([p for _, p in setup.built.named], ref, strict=True):
+                mine.copy_(theirs)
+    return setups
+
+
 def measure_fidelity(args: argparse.Namespace, report: Report, setups: dict[str, Setup],
                      method: str = "adazeta") -> dict[str, float]:
     """Per option, on the same directions (seed 0, the method's eps): cos(ZO estimate, fp32 autograd gradient) at
@@ -209,12 +220,14 @@ def measure_options(args: argparse.Namespace, report: Report) -> list[str]:
     chosen = {name: o for name, o in options(args.compile_backend).items()
               if name == "fp32" or not args.only_options or name in args.only_options}
     setups = {name: option_setup(args, overrides) for name, overrides in chosen.items()}
+    # Fidelity first, while every option's adapters are still at the one initial state they share: the timed runs
+    # take ZO steps, each option its own, so that afterwards the options would be compared at different points.
+    faithful = {method: measure_fidelity(args, report, same_start(setups if method == "adazeta" else
+                                         {name: option_setup(args, o, method) for name, o in chosen.items()}), method)
+                for method in args.fidelity_methods}
     measured = {name: Measured(args, setup) for name, setup in setups.items()}
     stats = time_options(args, measured)
     medians = {name: read_option(args, report, name, m, stats[name]) for name, m in measured.items()}
-    faithful = {method: measure_fidelity(args, report, setups if method == "adazeta" else
-                                         {name: option_setup(args, o, method) for name, o in chosen.items()}, method)
-                for method in args.fidelity_methods}
     base = medians["fp32"]
     runs_timed = ("forward", "ZO step, Q=1", "ZO step, Q=4 batched", "evaluation")
     for name, m in medians.items():
