@@ -50,7 +50,7 @@ def test_options_bench_prints_every_option_and_ratio(tmp_path, monkeypatch, caps
     # fidelity on each method's own adapters: AdaZeta's TT adapters and MeZO-LoRA's (B = 0 at the start)
     for method in ("adazeta", "mezo_lora"):
         assert f"cosine with the exact-derivative estimate, Q=16 [{method}]" in table
-        assert re.search(rf"faithful \(Q=16\) [\d.]+ adazeta, [\d.]+ mezo_lora", fp32)
+        assert re.search(r"faithful \(Q=16\) [\d.]+ adazeta, [\d.]+ mezo_lora", fp32)
     mezo_lora_fp32 = float(re.search(r"faithful \(Q=16\) [\d.]+ adazeta, ([\d.]+) mezo_lora", fp32).group(1))
     assert mezo_lora_fp32 > 0.99
     # fp32's own Q = 16 estimate is the exact-derivative estimate up to finite differences, and is never flagged
